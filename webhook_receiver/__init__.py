@@ -1,0 +1,114 @@
+"""webhook-receiver: an idempotent webhook receiver and Idempotency-Key API."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+
+from . import config as cfg
+from .extensions import csrf, db, migrate
+
+
+def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
+    """Create and configure the application.
+
+    Settings come from the defaults, then the environment, then (for tests)
+    ``test_config``. The TOML file named by ``WEBHOOK_RECEIVER_CONFIG`` (or
+    the ``RECEIVER_CONFIG`` mapping in ``test_config``) declares clients and
+    sources.
+    """
+    app = Flask(__name__, instance_relative_config=True)
+    os.makedirs(app.instance_path, exist_ok=True)
+
+    app.config.from_mapping(cfg.DEFAULTS)
+    app.config.from_prefixed_env("WEBHOOK_RECEIVER")
+    if os.environ.get("SECRET_KEY"):
+        app.config["SECRET_KEY"] = os.environ["SECRET_KEY"]
+    app.config["SQLALCHEMY_DATABASE_URI"] = cfg.database_uri(
+        os.environ.get("DATABASE_URL"), app.instance_path
+    )
+    if test_config is not None:
+        app.config.from_mapping(test_config)
+
+    _load_file_config(app)
+    _check_secret_key(app)
+    _check_retention(app)
+
+    uri = app.config["SQLALCHEMY_DATABASE_URI"] = cfg.database_uri(
+        app.config["SQLALCHEMY_DATABASE_URI"], app.instance_path
+    )
+    from .database import engine_options
+
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+        **engine_options(uri),
+        **app.config["SQLALCHEMY_ENGINE_OPTIONS"],
+    }
+    # Werkzeug refuses larger bodies with 413 before a view reads them.
+    app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY_BYTES"])
+    app.config.setdefault("SESSION_COOKIE_HTTPONLY", True)
+    app.config["SESSION_COOKIE_SAMESITE"] = "Lax"
+    # CSRF is checked per view by the admin blueprint, not on machine APIs.
+    app.config["WTF_CSRF_CHECK_DEFAULT"] = False
+
+    db.init_app(app)
+    migrate.init_app(app, db, directory=_migrations_dir())
+    csrf.init_app(app)
+
+    from . import database, problems
+
+    database.init_app(app)
+    problems.init_app(app)
+
+    from .api import bp as api_bp
+    from .health import bp as health_bp
+
+    app.register_blueprint(health_bp)
+    app.register_blueprint(api_bp)
+
+    from . import retention
+
+    retention.init_app(app)
+    return app
+
+
+def _migrations_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "migrations")
+
+
+def _load_file_config(app: Flask) -> None:
+    raw = app.config.get("RECEIVER_CONFIG")
+    if raw is not None:
+        app.config["FILE_CONFIG"] = cfg.parse(dict(raw), "<test config>")
+        return
+    explicit = app.config.get("CONFIG") or os.environ.get("WEBHOOK_RECEIVER_CONFIG")
+    path = explicit or os.path.join(app.instance_path, "config.toml")
+    app.config["FILE_CONFIG"] = cfg.load_file(path, required=bool(explicit))
+
+
+def _check_secret_key(app: Flask) -> None:
+    key = app.config.get("SECRET_KEY")
+    if app.debug or app.testing:
+        app.config["SECRET_KEY"] = key or cfg.DEV_SECRET_KEY
+        return
+    if not key or key == cfg.DEV_SECRET_KEY or len(str(key)) < 16:
+        raise cfg.ConfigError(
+            "SECRET_KEY is missing or too short: set it to a long random value "
+            "(python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+
+
+def _check_retention(app: Flask) -> None:
+    if app.config["FORCE_SHORT_RETENTION"]:
+        return
+    file_config: cfg.FileConfig = app.config["FILE_CONFIG"]
+    for source in file_config.sources.values():
+        if source.retention_days < cfg.MIN_RETENTION_DAYS:
+            raise cfg.ConfigError(
+                f"{file_config.path}: [sources.{source.name}] retention_days = "
+                f"{source.retention_days} is shorter than providers' redelivery window "
+                f"({cfg.MIN_RETENTION_DAYS} days): duplicates would be accepted again. "
+                "Set WEBHOOK_RECEIVER_FORCE_SHORT_RETENTION=true to force it."
+            )

@@ -1,0 +1,74 @@
+"""API views: create an event under an Idempotency-Key, read it back."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from flask import Response, abort, g, jsonify, request, url_for
+
+from .. import events
+from ..fingerprint import canonical_json, fingerprint, is_json_type, parse_json_body
+from ..idempotency import idempotent
+from ..problems import Problem
+from . import bp
+from .auth import require_client
+
+
+@bp.post("/events")
+@require_client
+@idempotent
+def create_event() -> tuple[Response, int, dict[str, str]]:
+    """Store an event posted by an API client."""
+    body = request.get_data(cache=True)
+    if not is_json_type(request.content_type):
+        raise Problem("invalid-json", "send the event as Content-Type: application/json")
+    payload = parse_json_body(body)
+    if not isinstance(payload, dict):
+        raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
+    event_type = payload.get("type")
+    if not isinstance(event_type, str) or not event_type or len(event_type) > 255:
+        raise Problem("invalid-event", '"type" must be a non-empty string of at most 255 characters')
+    if "data" not in payload:
+        raise Problem("invalid-event", '"data" is required (any JSON value)')
+    source = f"api:{g.client}"
+    now = datetime.now(UTC)
+    event_id = events.insert_event(
+        {
+            "source": source,
+            # Retries are deduplicated by the Idempotency-Key record; the
+            # event's own key only has to be unique and stable.
+            "dedup_key": uuid.uuid4().hex,
+            "event_type": event_type,
+            "fingerprint": fingerprint([canonical_json(payload)]),
+            "content_type": request.content_type,
+            "body": body,
+            "headers": events.redact_headers(request.headers.items()),
+            "meta": {"idempotency_key": request.headers.get("Idempotency-Key")},
+            "client": g.client,
+            "received_at": now,
+            "duplicate_count": 0,
+        }
+    )
+    assert event_id is not None  # a fresh uuid cannot conflict
+    document = {
+        "id": event_id,
+        "type": event_type,
+        "source": source,
+        "data": payload["data"],
+        "received_at": events.iso(now),
+        "duplicate_count": 0,
+    }
+    return jsonify(document), 201, {"Location": url_for("api.get_event", event_id=event_id)}
+
+
+@bp.get("/events/<int:event_id>")
+@require_client
+def get_event(event_id: int) -> Response:
+    """Return one event to the client that created it."""
+    event = events.get_event(event_id)
+    # Another client's event is answered exactly like a missing one.
+    if event is None or event.client != g.client:
+        abort(404, "no such event for this client")
+    data = parse_json_body(event.body).get("data")
+    return jsonify(events.to_json(event, data))

@@ -1,0 +1,92 @@
+"""Engine set-up and the unit-of-work helper.
+
+SQLite is made fit for several gunicorn workers (WAL, a busy timeout,
+foreign keys). Its driver's implicit transactions are replaced by explicit
+ones, so that a transaction whose first statement writes waits on the busy
+timeout instead of failing: code that must read and then write ends the read
+first, or opens the write transaction with the write.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from flask import Flask
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from .extensions import db
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def engine_options(uri: str) -> dict[str, Any]:
+    """Return the engine options that suit the database behind ``uri``."""
+    if uri.startswith("sqlite"):
+        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
+    if uri.startswith("postgresql"):
+        # Refuse fast when the server is unreachable, so callers get a 503
+        # rather than hanging until the load balancer gives up.
+        return {"connect_args": {"connect_timeout": 5}, "pool_size": 5, "max_overflow": 5}
+    return {}
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+    if not isinstance(dbapi_connection, sqlite3.Connection):
+        return
+    # Hand transaction control to SQLAlchemy (the driver's own BEGIN comes
+    # late and breaks SAVEPOINT); see _on_sqlite_begin.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    # An acknowledged delivery must survive power loss, not only a crash:
+    # NORMAL would be faster in WAL mode but may lose the last commits.
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.close()
+
+
+def _on_sqlite_begin(connection: Any) -> None:
+    connection.exec_driver_sql("BEGIN")
+
+
+def init_app(app: Flask) -> None:
+    """Attach the SQLite tuning to this app's engine."""
+    with app.app_context():
+        engine: Engine = db.engine
+        if engine.dialect.name == "sqlite":
+            event.listen(engine, "connect", _on_sqlite_connect)
+            event.listen(engine, "begin", _on_sqlite_begin)
+
+
+@contextmanager
+def unit_of_work(session: Session | None = None) -> Iterator[Session]:
+    """Commit the block's writes as one transaction, or roll back and re-raise."""
+    session = session or db.session
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def insert_ignoring_conflicts(table: Any, index_elements: list[str]) -> Any:
+    """An INSERT that does nothing when the unique constraint on ``index_elements`` is hit."""
+    if db.engine.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+
+
+def is_sqlite() -> bool:
+    """Tell whether the app's database is SQLite."""
+    return db.engine.dialect.name == "sqlite"

@@ -1,0 +1,67 @@
+"""Data access for stored events, shared by the webhook and API surfaces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+
+from .database import insert_ignoring_conflicts
+from .extensions import db
+from .models import Event
+
+_t = Event.__table__
+
+# Header values that authenticate or sign a request are never stored.
+ALWAYS_REDACTED = frozenset({"authorization", "cookie", "set-cookie", "proxy-authorization"})
+REDACTED = "[redacted]"
+
+
+def redact_headers(
+    headers: Iterable[tuple[str, str]], secret_names: Iterable[str] = ()
+) -> list[list[str]]:
+    """Return the headers as [name, value] pairs with secret-bearing values redacted."""
+    secret = ALWAYS_REDACTED | {name.lower() for name in secret_names}
+    return [[name, REDACTED if name.lower() in secret else value] for name, value in headers]
+
+
+def insert_event(values: dict[str, Any]) -> int | None:
+    """Insert an event in the current transaction; None if (source, dedup_key) exists."""
+    return db.session.execute(
+        insert_ignoring_conflicts(_t, ["source", "dedup_key"]).values(**values).returning(_t.c.id)
+    ).scalar()
+
+
+def get_event(event_id: int) -> Event | None:
+    """Load one event by id."""
+    return db.session.get(Event, event_id)
+
+
+def to_json(event: Event, data: Any) -> dict[str, Any]:
+    """The API's representation of an event."""
+    return {
+        "id": event.id,
+        "type": event.event_type,
+        "source": event.source,
+        "data": data,
+        "received_at": iso(event.received_at),
+        "duplicate_count": event.duplicate_count,
+    }
+
+
+def iso(moment: datetime | None) -> str | None:
+    """Format an aware UTC datetime as RFC 3339 with a Z."""
+    if moment is None:
+        return None
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def find_by_key(source: str, dedup_key: str) -> Any:
+    """Read the id and fingerprint of the event stored under (source, dedup_key)."""
+    return db.session.execute(
+        select(_t.c.id, _t.c.fingerprint).where(
+            _t.c.source == source, _t.c.dedup_key == dedup_key
+        )
+    ).one_or_none()

@@ -1,0 +1,229 @@
+"""The idempotency record as a small state machine, and its data access.
+
+States: ``in_progress`` (claimed under a lease by one request) and
+``completed`` (the response is saved). A record past ``expires_at`` counts
+as absent; an ``in_progress`` record past its lease was left by a crashed
+holder and may be taken over. Every transition is one conditional statement,
+so the database decides every race.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, delete, or_, select, update
+
+from ..database import insert_ignoring_conflicts
+from ..extensions import db
+from ..models import IdempotencyRecord
+
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+
+_t = IdempotencyRecord.__table__
+
+
+@dataclass(frozen=True)
+class Request:
+    """What identifies one request for the engine."""
+
+    client: str
+    key: str
+    fingerprint: str
+    method: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """This request holds the key: run the view, then complete or release."""
+
+    record_id: int
+    token: str
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A completed record with the same fingerprint: answer its saved response."""
+
+    status: int
+    headers: list[list[str]]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The key was used for a different request."""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Another request holds the key under a live lease."""
+
+    retry_after: int
+
+
+Outcome = Claimed | Replay | Mismatch | InFlight
+
+
+class LeaseLost(Exception):
+    """The lease expired and another request took the key over."""
+
+
+def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outcome:
+    """Claim the key for this request, or say why not.
+
+    The key is read first, since retries are the common case and a read is
+    cheaper than a failed insert; the insert's unique constraint still
+    decides between racing first requests.
+    """
+    session = db.session
+    for _ in range(5):
+        row = session.execute(
+            select(
+                _t.c.id,
+                _t.c.state,
+                _t.c.fingerprint,
+                _t.c.lease_expires_at,
+                _t.c.expires_at,
+                _t.c.response_status,
+                _t.c.response_headers,
+                _t.c.response_body,
+            ).where(_t.c.client == req.client, _t.c.key == req.key)
+        ).one_or_none()
+        # End the read transaction, so the write below opens its own.
+        session.rollback()
+        token = secrets.token_hex(16)
+        if row is None:
+            inserted = session.execute(
+                insert_ignoring_conflicts(_t, ["client", "key"])
+                .values(
+                    client=req.client,
+                    key=req.key,
+                    fingerprint=req.fingerprint,
+                    method=req.method,
+                    path=req.path,
+                    state=IN_PROGRESS,
+                    lease_token=token,
+                    lease_expires_at=now + lease,
+                    created_at=now,
+                    expires_at=now + ttl,
+                )
+                .returning(_t.c.id)
+            ).scalar()
+            session.commit()
+            if inserted is not None:
+                return Claimed(inserted, token)
+            continue  # another first request won the insert: read its record
+        expired = row.expires_at <= now
+        abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
+        if expired or abandoned:
+            if _take_over(row.id, req, token, now, lease, ttl):
+                return Claimed(row.id, token)
+            continue  # somebody else took it over or finished: read again
+        if row.fingerprint != req.fingerprint:
+            return Mismatch()
+        if row.state == COMPLETED:
+            return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
+        remaining = (row.lease_expires_at - now).total_seconds()
+        return InFlight(max(1, math.ceil(remaining)))
+    raise RuntimeError("idempotency claim did not settle")  # pragma: no cover
+
+
+def _take_over(
+    record_id: int, req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
+) -> bool:
+    # One conditional UPDATE: it matches only while the record is still
+    # expired or abandoned, so two requests cannot both take it over.
+    result = db.session.execute(
+        update(_t)
+        .where(
+            _t.c.id == record_id,
+            or_(
+                _t.c.expires_at <= now,
+                and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now),
+            ),
+        )
+        .values(
+            fingerprint=req.fingerprint,
+            method=req.method,
+            path=req.path,
+            state=IN_PROGRESS,
+            lease_token=token,
+            lease_expires_at=now + lease,
+            created_at=now,
+            expires_at=now + ttl,
+            completed_at=None,
+            response_status=None,
+            response_headers=None,
+            response_body=None,
+        )
+    )
+    db.session.commit()
+    return result.rowcount == 1
+
+
+def hold(claimed: Claimed) -> None:
+    """Lock the claimed record inside the current transaction, or raise LeaseLost.
+
+    On SQLite this also opens the transaction with a write, so the view's
+    reads and writes run under the write lock instead of failing on upgrade.
+    """
+    result = db.session.execute(
+        update(_t)
+        .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
+        .values(state=IN_PROGRESS)
+    )
+    if result.rowcount != 1:
+        raise LeaseLost()
+
+
+def complete(
+    claimed: Claimed, status: int, headers: list[list[str]], body: bytes, now: datetime
+) -> None:
+    """Save the response in the current transaction; raise LeaseLost if the lease was lost."""
+    result = db.session.execute(
+        update(_t)
+        .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
+        .values(
+            state=COMPLETED,
+            lease_token=None,
+            lease_expires_at=None,
+            completed_at=now,
+            response_status=status,
+            response_headers=headers,
+            response_body=body,
+        )
+    )
+    if result.rowcount != 1:
+        raise LeaseLost()
+
+
+def release(claimed: Claimed) -> None:
+    """Give the key back after a failure, so that a retry runs again."""
+    db.session.execute(
+        delete(_t).where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
+    )
+    db.session.commit()
+
+
+def purge_expired(now: datetime, batch_size: int) -> int:
+    """Delete expired records in batches of ``batch_size``; return how many."""
+    total = 0
+    while True:
+        ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
+        result = db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery())))
+        db.session.commit()
+        total += result.rowcount
+        if result.rowcount < batch_size:
+            return total
+
+
+def evict(record_id: int) -> bool:
+    """Delete one record (an operator's action); return whether it existed."""
+    result = db.session.execute(delete(_t).where(_t.c.id == record_id))
+    db.session.commit()
+    return result.rowcount == 1

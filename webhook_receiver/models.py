@@ -1,0 +1,212 @@
+"""The schema: every table the receiver writes, in one place.
+
+Timestamps are stored as naive UTC and handed back as aware UTC, so SQLite
+and PostgreSQL compare them the same way. The unique constraints here are
+what make the receiver idempotent: code inserts and handles the conflict.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .extensions import db
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+def utcnow() -> datetime:
+    """Return the current time as an aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware UTC datetime stored as naive UTC on every database."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class Event(db.Model):
+    """One logical message, from a provider webhook or from the API."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("source", "dedup_key"),
+        Index("ix_events_received_at_id", "received_at", "id"),
+        Index("ix_events_source_received_at", "source", "received_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    source: Mapped[str] = mapped_column(String(200))
+    dedup_key: Mapped[str] = mapped_column(String(512))
+    event_type: Mapped[str | None] = mapped_column(String(255))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    content_type: Mapped[str | None] = mapped_column(String(255))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    # A list of [name, value] pairs, secret-bearing values redacted.
+    headers: Mapped[list[list[str]]] = mapped_column(Json)
+    meta: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    client: Mapped[str | None] = mapped_column(String(200))
+    correlation_id: Mapped[str | None] = mapped_column(String(200))
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    duplicate_count: Mapped[int] = mapped_column(Integer, default=0)
+    last_duplicate_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class EventDuplicate(db.Model):
+    """One redelivery of an event with the same content: when it came."""
+
+    __tablename__ = "event_duplicates"
+    __table_args__ = (Index("ix_event_duplicates_received_at", "received_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    event_id: Mapped[int] = mapped_column(
+        ForeignKey("events.id", ondelete="CASCADE"), index=True
+    )
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class EventConflict(db.Model):
+    """A delivery that reused an event's dedup key with different content, kept for review."""
+
+    __tablename__ = "event_conflicts"
+    __table_args__ = (
+        UniqueConstraint("event_id", "fingerprint"),
+        Index("ix_event_conflicts_received_at", "received_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    event_id: Mapped[int] = mapped_column(ForeignKey("events.id", ondelete="CASCADE"))
+    source: Mapped[str] = mapped_column(String(200))
+    dedup_key: Mapped[str] = mapped_column(String(512))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    content_type: Mapped[str | None] = mapped_column(String(255))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    headers: Mapped[list[list[str]]] = mapped_column(Json)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    seen_count: Mapped[int] = mapped_column(Integer, default=1)
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    reviewed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    review_note: Mapped[str | None] = mapped_column(Text)
+
+
+class Rejection(db.Model):
+    """A delivery refused before storage (bad signature, stale timestamp): counted, no body."""
+
+    __tablename__ = "rejections"
+    __table_args__ = (Index("ix_rejections_received_at", "received_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    source: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(String(50))
+    detail: Mapped[str | None] = mapped_column(String(500))
+    remote_addr: Mapped[str | None] = mapped_column(String(100))
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class IdempotencyRecord(db.Model):
+    """The claim and the saved response of one client's Idempotency-Key."""
+
+    __tablename__ = "idempotency_records"
+    __table_args__ = (
+        UniqueConstraint("client", "key"),
+        Index("ix_idempotency_records_expires_at", "expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    client: Mapped[str] = mapped_column(String(200))
+    key: Mapped[str] = mapped_column(String(255))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(10))
+    path: Mapped[str] = mapped_column(String(2000))
+    state: Mapped[str] = mapped_column(String(20))
+    # The holder's fencing token: only the request that holds it may complete.
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    response_status: Mapped[int | None] = mapped_column(Integer)
+    response_headers: Mapped[list[list[str]] | None] = mapped_column(Json)
+    response_body: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class Delivery(db.Model):
+    """One consumer's processing of one event: the outbox row and its state machine."""
+
+    __tablename__ = "deliveries"
+    __table_args__ = (
+        UniqueConstraint("event_id", "consumer"),
+        Index("ix_deliveries_state_next_attempt_at", "state", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    event_id: Mapped[int] = mapped_column(ForeignKey("events.id", ondelete="CASCADE"))
+    consumer: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(20))  # handler | forward
+    state: Mapped[str] = mapped_column(String(20))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    response_status: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class EntityVersion(db.Model):
+    """The newest version applied per (source, entity), for ordered sources."""
+
+    __tablename__ = "entity_versions"
+    __table_args__ = (UniqueConstraint("source", "entity"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    source: Mapped[str] = mapped_column(String(200))
+    entity: Mapped[str] = mapped_column(String(512))
+    version: Mapped[str] = mapped_column(String(100))
+    event_id: Mapped[int | None] = mapped_column(
+        ForeignKey("events.id", ondelete="SET NULL")
+    )
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class AdminLoginFailure(db.Model):
+    """A failed admin login, kept briefly to throttle guessing across workers."""
+
+    __tablename__ = "admin_login_failures"
+    __table_args__ = (Index("ix_admin_login_failures_remote_addr_at", "remote_addr", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    remote_addr: Mapped[str] = mapped_column(String(100))
+    at: Mapped[datetime] = mapped_column(UTCDateTime)

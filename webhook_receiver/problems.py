@@ -1,0 +1,159 @@
+"""Errors as RFC 9457 problem details, for the API and webhook surfaces.
+
+Every refusal the receiver makes has its own ``type`` here, so clients can
+tell the cases apart without parsing ``detail``. Each type is also served as
+a short description at ``/problems/<slug>``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flask import Blueprint, Flask, Response, abort, request
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from werkzeug.exceptions import HTTPException
+
+# slug -> (status, title)
+PROBLEM_TYPES: dict[str, tuple[int, str]] = {
+    "bad-request": (400, "Bad request"),
+    "invalid-json": (400, "The body is not valid JSON"),
+    "invalid-event": (400, "The event is not of the expected shape"),
+    "idempotency-key-missing": (400, "Idempotency-Key header is required"),
+    "idempotency-key-invalid": (400, "Idempotency-Key header is malformed"),
+    "payload-invalid": (400, "The delivery's payload cannot be read"),
+    "dedup-key-missing": (400, "The delivery carries no stable dedup key"),
+    "unauthorized": (401, "Missing or unknown bearer token"),
+    "signature-invalid": (401, "The delivery's signature does not verify"),
+    "timestamp-out-of-tolerance": (401, "The signed timestamp is too old or in the future"),
+    "forbidden": (403, "Forbidden"),
+    "not-found": (404, "Not found"),
+    "unknown-source": (404, "No webhook source of that name is configured"),
+    "method-not-allowed": (405, "Method not allowed"),
+    "idempotency-key-in-use": (409, "A request with this Idempotency-Key is in progress"),
+    "idempotency-lease-lost": (409, "The request outlived its lease and was taken over"),
+    "payload-too-large": (413, "The body is larger than the configured limit"),
+    "unsupported-media-type": (415, "Unsupported media type"),
+    "idempotency-key-reused": (422, "Idempotency-Key reused with a different request"),
+    "dedup-key-conflict": (422, "Dedup key reused with different content"),
+    "internal-error": (500, "Internal server error"),
+    "database-unavailable": (503, "The database cannot be reached"),
+}
+
+PROBLEM_JSON = "application/problem+json"
+
+
+class Problem(Exception):
+    """A refusal to be answered as problem+json."""
+
+    def __init__(
+        self,
+        slug: str,
+        detail: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        if slug not in PROBLEM_TYPES:
+            raise ValueError(f"unknown problem type {slug!r}")
+        super().__init__(detail or PROBLEM_TYPES[slug][1])
+        self.slug = slug
+        self.status, self.title = PROBLEM_TYPES[slug]
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def problem_response(problem: Problem) -> Response:
+    """Render a Problem as an application/problem+json response."""
+    doc: dict[str, Any] = {
+        "type": f"/problems/{problem.slug}",
+        "title": problem.title,
+        "status": problem.status,
+    }
+    if problem.detail:
+        doc["detail"] = problem.detail
+    doc.update(problem.extra)
+    response = Response(
+        json.dumps(doc, separators=(",", ":")), status=problem.status, mimetype=PROBLEM_JSON
+    )
+    response.headers.update(problem.headers)
+    return response
+
+
+_HTTP_SLUGS = {
+    400: "bad-request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not-found",
+    405: "method-not-allowed",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+}
+
+# Surfaces that speak problem+json; the admin pages speak HTML.
+_JSON_PREFIXES = ("/api/", "/webhooks/", "/problems/", "/metrics", "/readyz", "/healthz")
+
+
+def _wants_problem_json() -> bool:
+    return request.path.startswith(_JSON_PREFIXES)
+
+
+def init_app(app: Flask) -> None:
+    """Register the error handlers that turn failures into problem details."""
+    app.register_error_handler(Problem, problem_response)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response | HTTPException:
+        if not _wants_problem_json():
+            return exc
+        slug = _HTTP_SLUGS.get(exc.code or 500)
+        if slug is None:
+            return exc
+        headers = {}
+        if exc.code == 405 and exc.response is None:
+            allow = getattr(exc, "valid_methods", None)
+            if allow:
+                headers["Allow"] = ", ".join(allow)
+        return problem_response(Problem(slug, exc.description, headers=headers))
+
+    @app.errorhandler(PoolTimeout)
+    @app.errorhandler(DBAPIError)
+    def database_error(exc: DBAPIError | PoolTimeout) -> Response:
+        # A dropped connection is the database being away: say 503 so the
+        # sender retries, and never claim a commit that did not happen.
+        from .extensions import db
+
+        db.session.rollback()
+        if isinstance(exc, PoolTimeout) or exc.connection_invalidated or _is_unavailable(exc):
+            app.logger.warning("database unavailable: %s", exc)
+            return problem_response(
+                Problem("database-unavailable", headers={"Retry-After": "5"})
+            )
+        app.logger.exception("database error")
+        return problem_response(Problem("internal-error"))
+
+    problems = Blueprint("problems", __name__)
+
+    @problems.get("/problems/<slug>")
+    def describe(slug: str) -> Response:
+        """Describe one problem type."""
+        if slug not in PROBLEM_TYPES:
+            abort(404)
+        status, title = PROBLEM_TYPES[slug]
+        return Response(
+            json.dumps({"type": f"/problems/{slug}", "title": title, "status": status}),
+            mimetype="application/json",
+        )
+
+    app.register_blueprint(problems)
+
+
+def _is_unavailable(exc: DBAPIError) -> bool:
+    """Tell a database that cannot be reached (or is locked) from a faulty query."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    # OperationalError covers refused and dropped connections, a server
+    # shutting down, and SQLite's "database is locked" past the busy timeout.
+    return isinstance(exc, (OperationalError, InterfaceError))

@@ -1,0 +1,1 @@
+"""Processing: per-consumer deliveries of stored events (the inbox and the outbox)."""

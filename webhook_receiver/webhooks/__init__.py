@@ -1,0 +1,1 @@
+"""Provider webhooks: verified, deduplicated receipt at /webhooks/<source>."""
