@@ -1,0 +1,131 @@
+"""Real server processes for tests: gunicorn running the app, and loopback helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from .conftest import SECRET_KEY
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def app_env(db_url: str, config_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that points a real process at this test's database and config."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLASK_", "WEBHOOK_RECEIVER_")) and k not in ("DATABASE_URL",)
+    }
+    env.update(
+        DATABASE_URL=db_url,
+        SECRET_KEY=SECRET_KEY,
+        WEBHOOK_RECEIVER_CONFIG=str(config_path),
+        PYTHONPATH=str(ROOT),
+    )
+    env.update(extra or {})
+    return env
+
+
+@contextmanager
+def gunicorn(
+    db_url: str,
+    config_toml: str,
+    tmp_path: Path,
+    *,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
+) -> Iterator[Server]:
+    """Run the app under gunicorn on a free loopback port until the block ends."""
+    config_path = tmp_path / f"config-{time.monotonic_ns()}.toml"
+    config_path.write_text(config_toml)
+    port = free_port()
+    log_path = tmp_path / f"gunicorn-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [
+                str(BIN / "gunicorn"),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                str(workers),
+                "--graceful-timeout",
+                "5",
+                *args,
+                "wsgi:app",
+            ],
+            cwd=ROOT,
+            env=app_env(db_url, config_path, env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        if not wait_until(lambda: _healthy(server), timeout=30):
+            raise RuntimeError(f"gunicorn did not start:\n{server.log()}")
+        yield server
+    finally:
+        stop(process)
+
+
+def _healthy(server: Server) -> bool:
+    if server.process.poll() is not None:
+        raise RuntimeError(f"gunicorn exited early:\n{server.log()}")
+    try:
+        return requests.get(server.url + "/healthz", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def stop(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """Stop a process (and its group) gently, then firmly."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
