@@ -98,8 +98,9 @@ def test_keys_are_scoped_per_client(app, client):
 
 
 def test_missing_token_is_401_problem(app, client):
-    response = client.post("/api/events", json={"type": "t", "data": 1},
-                           headers={"Idempotency-Key": "k"})
+    response = client.post(
+        "/api/events", json={"type": "t", "data": 1}, headers={"Idempotency-Key": "k"}
+    )
     assert response.status_code == 401
     assert response.mimetype == "application/problem+json"
     assert response.get_json()["type"] == "/problems/unauthorized"

@@ -6,11 +6,13 @@ from datetime import UTC, datetime
 
 import click
 from flask import Flask, current_app
+from flask.cli import with_appcontext
 
 from .idempotency import records
 
 
 @click.command("purge")
+@with_appcontext
 @click.option("--batch-size", type=int, default=None, help="Rows deleted per transaction.")
 def purge_command(batch_size: int | None) -> None:
     """Delete expired idempotency records (and events past their retention)."""

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode
 from flask import Response, current_app, g, request
 
 from ..extensions import db
-from ..fingerprint import canonical_json, fingerprint, is_json_type, loads, JSONError
+from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..problems import Problem, problem_response
 from . import records
 from .keys import parse_key

@@ -124,12 +124,14 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
             if _take_over(row.id, req, token, now, lease, ttl):
                 return Claimed(row.id, token)
             continue  # somebody else took it over or finished: read again
+        if row.state == IN_PROGRESS:
+            # Whatever its body: the holder may still fail and release the
+            # key, so "in flight, retry later" is the honest answer.
+            remaining = (row.lease_expires_at - now).total_seconds()
+            return InFlight(max(1, math.ceil(remaining)))
         if row.fingerprint != req.fingerprint:
             return Mismatch()
-        if row.state == COMPLETED:
-            return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
-        remaining = (row.lease_expires_at - now).total_seconds()
-        return InFlight(max(1, math.ceil(remaining)))
+        return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
     raise RuntimeError("idempotency claim did not settle")  # pragma: no cover
 
 

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from webhook_receiver.webhooks.providers import GitHubProvider, MissingKeyError, SignatureError
+
+from .helpers import hex_hmac, inbound, source
+
+P = GitHubProvider()
+
+# GitHub docs, "Validating webhook deliveries" (docs.github.com/en/webhooks/using-webhooks/
+# validating-webhook-deliveries), section "Testing the webhook payload validation".
+DOC_SECRET = "It's a Secret to Everybody"
+DOC_PAYLOAD = "Hello, World!"
+DOC_SIGNATURE = "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17"
+
+SECRET = "gh-secret"
+BODY = json.dumps({"action": "opened", "issue": {"number": 1}})
+DELIVERY = "72d3162e-cc78-11e3-81ab-4c9367dc0958"
+
+
+def delivery(body: str = BODY, secret: str | None = SECRET, **headers: str):
+    base = {"X-GitHub-Event": "issues", "X-GitHub-Delivery": DELIVERY}
+    if secret is not None:
+        base["X-Hub-Signature-256"] = "sha256=" + hex_hmac(secret, body.encode())
+    base.update(headers)
+    return inbound(body, base)
+
+
+def test_documented_vector() -> None:
+    P.verify(
+        inbound(DOC_PAYLOAD, {"X-Hub-Signature-256": DOC_SIGNATURE}, content_type="text/plain"),
+        source("github", DOC_SECRET),
+    )
+
+
+def test_documented_vector_wrong_secret() -> None:
+    with pytest.raises(SignatureError):
+        P.verify(
+            inbound(DOC_PAYLOAD, {"X-Hub-Signature-256": DOC_SIGNATURE}),
+            source("github", "It's a secret to everybody"),
+        )
+
+
+def test_uppercase_hex_accepted() -> None:
+    P.verify(
+        inbound(DOC_PAYLOAD, {"X-Hub-Signature-256": DOC_SIGNATURE.upper().replace("SHA", "sha")}),
+        source("github", DOC_SECRET),
+    )
+
+
+@pytest.mark.parametrize("signer", ["old", "new"])
+def test_rotation(signer: str) -> None:
+    P.verify(delivery(secret=signer), source("github", "old", "new"))
+
+
+def test_tampered_body_rejected() -> None:
+    d = delivery()
+    with pytest.raises(SignatureError, match="signature does not match"):
+        P.verify(inbound(BODY + " ", dict(d.headers)), source("github", SECRET))
+
+
+def test_missing_header() -> None:
+    with pytest.raises(SignatureError, match="missing X-Hub-Signature-256 header"):
+        P.verify(delivery(secret=None), source("github", SECRET))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        hex_hmac(SECRET, BODY.encode()),  # no scheme
+        "sha1=" + hex_hmac(SECRET, BODY.encode()),
+        "sha256=",
+        "sha256=xyz",
+    ],
+)
+def test_malformed_header(value: str) -> None:
+    with pytest.raises(SignatureError, match="malformed X-Hub-Signature-256 header"):
+        P.verify(delivery(secret=None, **{"X-Hub-Signature-256": value}), source("github", SECRET))
+
+
+def test_identify_event_and_action() -> None:
+    ident = P.identify(delivery(), source("github", SECRET))
+    assert (ident.dedup_key, ident.event_type) == (DELIVERY, "issues.opened")
+
+
+def test_identify_without_action() -> None:
+    body = json.dumps({"zen": "Keep it logically awesome.", "hook_id": 1})
+    ident = P.identify(delivery(body, **{"X-GitHub-Event": "ping"}), source("github", SECRET))
+    assert (ident.dedup_key, ident.event_type) == (DELIVERY, "ping")
+
+
+def test_identify_missing_delivery() -> None:
+    d = delivery()
+    headers = {k: v for k, v in d.headers.items() if k.lower() != "x-github-delivery"}
+    with pytest.raises(MissingKeyError):
+        P.identify(inbound(BODY, headers), source("github", SECRET))

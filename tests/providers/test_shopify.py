@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+
+import pytest
+
+from webhook_receiver.webhooks.providers import MissingKeyError, ShopifyProvider, SignatureError
+
+from .helpers import inbound, source
+
+P = ShopifyProvider()
+
+# Shopify/shopify_app test/shopify_app/controller_concerns/webhook_verification_test.rb:
+# config.secret = "secret", config.old_secret = "old_secret", the request body is the
+# form-encoded params {foo: "anything"}.
+VEC_BODY = "foo=anything"
+VEC_NEW = ("secret", "yCGX/RrK4fcuNtr3ztk5tQGsOBjcAzHpGLdMUrbV8yI=")
+VEC_OLD = ("old_secret", "XqRcjrSv57VACn6apEO9znyu/wkN1VC7QxdSPwK3Hzs=")
+
+SECRET = "shpss_client_secret"
+BODY = json.dumps({"id": 820982911946154508, "email": "jon@example.com"})
+WEBHOOK_ID = "b54557e4-bdd9-4b37-8a5f-bf7d70bcd043"
+EVENT_ID = "98880550-7158-44d4-b7cd-2c97c8a091b5"
+
+
+def b64_hmac(secret: str, body: str) -> str:
+    return base64.b64encode(
+        hmac.new(secret.encode(), body.encode(), hashlib.sha256).digest()
+    ).decode()
+
+
+def delivery(body: str = BODY, secret: str = SECRET, **extra: str):
+    h = {
+        "X-Shopify-Hmac-Sha256": b64_hmac(secret, body),
+        "X-Shopify-Topic": "orders/create",
+        "X-Shopify-Webhook-Id": WEBHOOK_ID,
+        "X-Shopify-Event-Id": EVENT_ID,
+        "X-Shopify-Shop-Domain": "example.myshopify.com",
+    }
+    h.update(extra)
+    return inbound(body, h)
+
+
+@pytest.mark.parametrize("vector", [VEC_NEW, VEC_OLD])
+def test_published_vectors_with_rotation(vector: tuple[str, str]) -> None:
+    _, signature = vector
+    d = inbound(VEC_BODY, {"X-Shopify-Hmac-Sha256": signature})
+    P.verify(d, source("shopify", VEC_NEW[0], VEC_OLD[0]))
+
+
+def test_published_vector_needs_its_secret() -> None:
+    d = inbound(VEC_BODY, {"X-Shopify-Hmac-Sha256": VEC_OLD[1]})
+    with pytest.raises(SignatureError, match="signature does not match"):
+        P.verify(d, source("shopify", VEC_NEW[0]))
+
+
+def test_tampered_body_rejected() -> None:
+    h = dict(delivery().headers)
+    with pytest.raises(SignatureError):
+        P.verify(inbound(BODY.replace("jon", "joe"), h), source("shopify", SECRET))
+
+
+def test_missing_header() -> None:
+    with pytest.raises(SignatureError, match="missing X-Shopify-Hmac-Sha256 header"):
+        P.verify(inbound(BODY, {}), source("shopify", SECRET))
+
+
+@pytest.mark.parametrize("value", ["invalid_hmac", "sha256=" + b64_hmac(SECRET, BODY), "@@@@"])
+def test_malformed_or_wrong_header(value: str) -> None:
+    with pytest.raises(SignatureError):
+        P.verify(delivery(**{"X-Shopify-Hmac-Sha256": value}), source("shopify", SECRET))
+
+
+def test_hex_is_not_base64() -> None:
+    hexed = hmac.new(SECRET.encode(), BODY.encode(), hashlib.sha256).hexdigest()
+    with pytest.raises(SignatureError):
+        P.verify(delivery(**{"X-Shopify-Hmac-Sha256": hexed}), source("shopify", SECRET))
+
+
+def test_identify_keeps_event_id_in_meta_not_as_key() -> None:
+    d = delivery()
+    P.verify(d, source("shopify", SECRET))
+    ident = P.identify(d, source("shopify", SECRET))
+    assert ident.dedup_key == WEBHOOK_ID
+    assert ident.event_type == "orders/create"
+    assert ident.meta == {"shopify_event_id": EVENT_ID}
+
+
+def test_identify_without_event_id() -> None:
+    d = inbound(BODY, {"X-Shopify-Webhook-Id": WEBHOOK_ID})
+    ident = P.identify(d, source("shopify", SECRET))
+    assert (ident.dedup_key, ident.event_type, ident.meta) == (WEBHOOK_ID, None, {})
+
+
+def test_event_id_is_never_the_key() -> None:
+    d = inbound(BODY, {"X-Shopify-Event-Id": EVENT_ID})
+    with pytest.raises(MissingKeyError):
+        P.identify(d, source("shopify", SECRET))

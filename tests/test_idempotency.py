@@ -1,0 +1,303 @@
+"""The Idempotency-Key engine on views of its own: the state machine's scenarios."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+
+import pytest
+from flask import Blueprint, abort, g, jsonify, make_response
+from sqlalchemy import func, insert, select
+
+from webhook_receiver.api.auth import require_client
+from webhook_receiver.extensions import db
+from webhook_receiver.idempotency import idempotent
+from webhook_receiver.idempotency.records import COMPLETED, IN_PROGRESS
+from webhook_receiver.models import Event, IdempotencyRecord, utcnow
+from webhook_receiver.problems import Problem
+
+from .conftest import bearer
+
+calls: list[str] = []
+
+
+def _write_event(tag: str) -> int:
+    return db.session.execute(
+        insert(Event.__table__)
+        .values(
+            source="test",
+            dedup_key=uuid.uuid4().hex,
+            event_type=tag,
+            fingerprint="0" * 64,
+            body=b"{}",
+            headers=[],
+            meta={},
+            received_at=utcnow(),
+            duplicate_count=0,
+        )
+        .returning(Event.__table__.c.id)
+    ).scalar_one()
+
+
+def make_test_blueprint() -> Blueprint:
+    bp = Blueprint("engine_test", __name__)
+
+    @bp.post("/t/ok")
+    @require_client
+    @idempotent
+    def ok():
+        calls.append("ok")
+        event_id = _write_event("ok")
+        response = make_response(jsonify(id=event_id, n=len(calls)), 201)
+        response.headers["Location"] = f"/x/{event_id}"
+        response.headers["Set-Cookie"] = "session=secret"
+        response.headers["X-Custom"] = "kept"
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    @bp.post("/t/raise")
+    @require_client
+    @idempotent
+    def boom():
+        calls.append("raise")
+        _write_event("raise")
+        raise RuntimeError("handler bug")
+
+    @bp.post("/t/500")
+    @require_client
+    @idempotent
+    def five_hundred():
+        calls.append("500")
+        _write_event("500")
+        return jsonify(error="downstream"), 503
+
+    @bp.post("/t/problem")
+    @require_client
+    @idempotent
+    def problem():
+        calls.append("problem")
+        raise Problem("invalid-event", "nope")
+
+    @bp.post("/t/abort")
+    @require_client
+    @idempotent
+    def aborted():
+        calls.append("abort")
+        abort(404)
+
+    @bp.post("/t/who")
+    @require_client
+    @idempotent
+    def who():
+        calls.append(g.client)
+        return jsonify(client=g.client)
+
+    return bp
+
+
+@pytest.fixture
+def app(make_app):
+    calls.clear()
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    app.register_blueprint(make_test_blueprint())
+    return app
+
+
+def post(client, path, key="k1", body=None, **headers):
+    return client.post(
+        path,
+        data=json.dumps(body if body is not None else {"a": 1}),
+        content_type="application/json",
+        headers={**bearer(), "Idempotency-Key": key, **headers},
+    )
+
+
+def events(app) -> int:
+    with app.app_context():
+        return db.session.scalar(select(func.count()).select_from(Event))
+
+
+def record(app, key="k1", client="acme"):
+    with app.app_context():
+        return db.session.execute(
+            select(IdempotencyRecord).where(
+                IdempotencyRecord.client == client, IdempotencyRecord.key == key
+            )
+        ).scalar_one_or_none()
+
+
+def test_first_request_executes_and_completes(app, client):
+    response = post(client, "/t/ok")
+    assert response.status_code == 201
+    assert calls == ["ok"]
+    rec = record(app)
+    assert rec.state == COMPLETED
+    assert rec.response_status == 201
+    assert rec.lease_token is None
+    assert rec.expires_at - rec.created_at == timedelta(hours=24)
+
+
+def test_replay_is_exact_and_filters_unsafe_headers(app, client):
+    first = post(client, "/t/ok")
+    second = post(client, "/t/ok")
+    assert calls == ["ok"]
+    assert second.status_code == 201
+    assert second.get_data() == first.get_data()
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.headers["Location"] == first.headers["Location"]
+    assert second.headers["X-Custom"] == "kept"
+    assert "Set-Cookie" not in second.headers
+    assert "Cache-Control" not in second.headers
+    assert events(app) == 1
+
+
+def test_mismatch_is_422_without_executing(app, client):
+    post(client, "/t/ok")
+    response = post(client, "/t/ok", body={"a": 2})
+    assert response.status_code == 422
+    assert response.get_json()["type"] == "/problems/idempotency-key-reused"
+    assert calls == ["ok"]
+
+
+def test_in_flight_is_409_with_retry_after(app, client):
+    with app.app_context():
+        now = utcnow()
+        db.session.add(
+            IdempotencyRecord(
+                client="acme",
+                key="busy",
+                fingerprint="f" * 64,
+                method="POST",
+                path="/t/ok",
+                state=IN_PROGRESS,
+                lease_token="someone",
+                lease_expires_at=now + timedelta(seconds=30),
+                created_at=now,
+                expires_at=now + timedelta(hours=24),
+            )
+        )
+        db.session.commit()
+    response = post(client, "/t/ok", key="busy")
+    assert response.status_code == 409
+    assert response.get_json()["type"] == "/problems/idempotency-key-in-use"
+    assert 29 <= int(response.headers["Retry-After"]) <= 30
+    assert calls == []
+
+
+def test_expired_lease_of_a_crashed_holder_is_taken_over(app, client):
+    with app.app_context():
+        now = utcnow()
+        db.session.add(
+            IdempotencyRecord(
+                client="acme",
+                key="crashed",
+                fingerprint="f" * 64,
+                method="POST",
+                path="/t/ok",
+                state=IN_PROGRESS,
+                lease_token="dead-holder",
+                lease_expires_at=now - timedelta(seconds=1),
+                created_at=now - timedelta(seconds=61),
+                expires_at=now + timedelta(hours=24),
+            )
+        )
+        db.session.commit()
+    response = post(client, "/t/ok", key="crashed")
+    assert response.status_code == 201
+    assert calls == ["ok"]
+    rec = record(app, "crashed")
+    assert rec.state == COMPLETED and rec.lease_token is None
+    assert post(client, "/t/ok", key="crashed").headers["Idempotent-Replayed"] == "true"
+
+
+def test_exception_rolls_back_and_releases_the_key(app, client):
+    response = post(client, "/t/raise")
+    assert response.status_code == 500
+    assert events(app) == 0
+    assert record(app) is None
+    again = post(client, "/t/raise")
+    assert again.status_code == 500
+    assert calls == ["raise", "raise"]
+
+
+def test_5xx_rolls_back_and_releases_the_key(app, client):
+    assert post(client, "/t/500").status_code == 503
+    assert events(app) == 0
+    assert record(app) is None
+    post(client, "/t/500")
+    assert calls == ["500", "500"]
+
+
+def test_4xx_results_are_stored_and_replayed(app, client):
+    first = post(client, "/t/problem")
+    assert first.status_code == 400
+    assert first.mimetype == "application/problem+json"
+    second = post(client, "/t/problem")
+    assert second.status_code == 400
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert second.mimetype == "application/problem+json"
+    assert calls == ["problem"]
+    assert post(client, "/t/abort", key="k2").status_code == 404
+    assert post(client, "/t/abort", key="k2").headers["Idempotent-Replayed"] == "true"
+    assert calls == ["problem", "abort"]
+
+
+def test_expired_record_counts_as_absent(make_app):
+    calls.clear()
+    app = make_app(IDEMPOTENCY_TTL_SECONDS=1)
+    app.register_blueprint(make_test_blueprint())
+    client = app.test_client()
+    post(client, "/t/ok")
+    with app.app_context():
+        rec = db.session.execute(select(IdempotencyRecord)).scalar_one()
+        rec.expires_at = utcnow() - timedelta(seconds=1)
+        db.session.commit()
+    # even a different body: the old record no longer exists for the client
+    response = post(client, "/t/ok", body={"a": 99})
+    assert response.status_code == 201
+    assert "Idempotent-Replayed" not in response.headers
+    assert calls == ["ok", "ok"]
+    assert events(app) == 2
+
+
+def test_purge_deletes_expired_records_in_batches(app, client, runner):
+    with app.app_context():
+        now = utcnow()
+        for i in range(7):
+            db.session.add(
+                IdempotencyRecord(
+                    client="acme",
+                    key=f"old-{i}",
+                    fingerprint="f" * 64,
+                    method="POST",
+                    path="/",
+                    state=COMPLETED,
+                    created_at=now - timedelta(days=2),
+                    expires_at=now - timedelta(days=1),
+                )
+            )
+        db.session.commit()
+    post(client, "/t/ok", key="fresh")
+    result = runner.invoke(args=["purge", "--batch-size", "3"])
+    assert result.exit_code == 0, result.output
+    assert "purged 7 expired idempotency record(s)" in result.output
+    with app.app_context():
+        keys = db.session.scalars(select(IdempotencyRecord.key)).all()
+    assert keys == ["fresh"]
+
+
+def test_same_key_two_clients_two_records(app, client):
+    from .conftest import GLOBEX_TOKEN
+
+    a = post(client, "/t/who")
+    b = client.post(
+        "/t/who",
+        data=json.dumps({"a": 1}),
+        content_type="application/json",
+        headers={**bearer(GLOBEX_TOKEN), "Idempotency-Key": "k1"},
+    )
+    assert a.get_json() == {"client": "acme"}
+    assert b.get_json() == {"client": "globex"}
+    assert calls == ["acme", "globex"]
+    assert record(app, client="acme").id != record(app, client="globex").id

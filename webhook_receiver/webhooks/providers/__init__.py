@@ -1,0 +1,92 @@
+"""The provider registry: one instance per provider name, and the contract re-exported.
+
+Two things vary per source rather than per provider, so the receipt code
+should ask :func:`needs_json` and :func:`redacted_headers` (which take the
+source) rather than read ``requires_json`` / ``secret_headers`` directly:
+generic sources need JSON only for a ``json:`` dedup key, and the generic and
+cloudevents signature header is whatever ``source.signature_header`` names.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    Identified,
+    Inbound,
+    MissingKeyError,
+    PayloadError,
+    Provider,
+    ProviderError,
+    SignatureError,
+    SourceConfig,
+    TimestampError,
+)
+from .cloudevents import CloudEventsProvider
+from .generic import GenericProvider
+from .github import GitHubProvider
+from .gitlab import GitLabProvider
+from .shopify import ShopifyProvider
+from .slack import SlackProvider
+from .standard import StandardProvider
+from .stripe import StripeProvider
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in (
+        StripeProvider(),
+        GitHubProvider(),
+        StandardProvider(),
+        GitLabProvider(),
+        ShopifyProvider(),
+        SlackProvider(),
+        CloudEventsProvider(),
+        GenericProvider(),
+    )
+}
+
+
+def get_provider(name: str) -> Provider:
+    """Return the provider registered under ``name``, or raise KeyError."""
+    try:
+        return PROVIDERS[name]
+    except KeyError:
+        raise KeyError(f"unknown provider {name!r}") from None
+
+
+def needs_json(source: SourceConfig) -> bool:
+    """Whether deliveries to this source must have a JSON body (else 400 before identify)."""
+    provider = get_provider(source.provider)
+    per_source = getattr(provider, "requires_json_for", None)
+    return bool(per_source(source)) if per_source else provider.requires_json
+
+
+def redacted_headers(source: SourceConfig) -> frozenset[str]:
+    """Lower-case names of the headers to redact and keep out of the fingerprint for a source."""
+    names = get_provider(source.provider).secret_headers
+    if source.signature_header:
+        names = names | {source.signature_header.lower()}
+    return names
+
+
+__all__ = [
+    "PROVIDERS",
+    "CloudEventsProvider",
+    "GenericProvider",
+    "GitHubProvider",
+    "GitLabProvider",
+    "Identified",
+    "Inbound",
+    "MissingKeyError",
+    "PayloadError",
+    "Provider",
+    "ProviderError",
+    "ShopifyProvider",
+    "SignatureError",
+    "SlackProvider",
+    "SourceConfig",
+    "StandardProvider",
+    "StripeProvider",
+    "TimestampError",
+    "get_provider",
+    "needs_json",
+    "redacted_headers",
+]

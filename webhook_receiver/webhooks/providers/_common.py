@@ -1,0 +1,164 @@
+"""Helpers the provider modules share: headers, HMAC, timestamps, dedup keys, JSON."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from .base import (
+    Inbound,
+    MissingKeyError,
+    PayloadError,
+    SignatureError,
+    SourceConfig,
+    TimestampError,
+)
+
+MAX_KEY_LENGTH = 512
+# An optional scheme label before a hex signature, as in ``sha256=<hex>``.
+_PREFIX = re.compile(r"^[A-Za-z0-9_.-]+=")
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
+def header(inbound: Inbound, name: str) -> str:
+    """Return the stripped header value, or raise SignatureError when missing or empty."""
+    value = (inbound.headers.get(name) or "").strip()
+    if not value:
+        raise SignatureError(f"missing {name} header")
+    return value
+
+
+def optional_header(inbound: Inbound, name: str) -> str | None:
+    """Return the stripped header value, or None when missing or empty."""
+    value = (inbound.headers.get(name) or "").strip()
+    return value or None
+
+
+def secrets_of(source: SourceConfig) -> tuple[str, ...]:
+    """Return the source's secrets, refusing to verify against none."""
+    if not source.secrets:
+        raise SignatureError("no secret configured")
+    return source.secrets
+
+
+def hmac_sha256(key: bytes, message: bytes) -> bytes:
+    """Return the raw HMAC-SHA256 digest."""
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def any_match(expected: Iterable[bytes], given: Iterable[bytes]) -> bool:
+    """Whether any given digest equals any expected one, each pair compared in constant time."""
+    given = list(given)
+    return any(hmac.compare_digest(e, g) for e in expected for g in given)
+
+
+def same_token(a: str, b: str) -> bool:
+    """Compare two shared tokens in constant time, length included."""
+    # Hashing first keeps compare_digest from returning early on a length mismatch.
+    return hmac.compare_digest(
+        hashlib.sha256(a.encode()).digest(), hashlib.sha256(b.encode()).digest()
+    )
+
+
+def from_hex(value: str) -> bytes | None:
+    """Decode hex, or return None when it is not hex."""
+    # Stricter than bytes.fromhex, which also skips embedded whitespace.
+    if not _HEX.fullmatch(value):
+        return None
+    return bytes.fromhex(value)
+
+
+def from_b64(value: str) -> bytes | None:
+    """Decode strict base64, or return None when it is not base64."""
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def timestamp(value: str, name: str) -> int:
+    """Parse a unix-seconds header, raising SignatureError when malformed."""
+    # Digits only: int() would also take signs, spaces and underscores.
+    if not value.isascii() or not value.isdigit():
+        raise SignatureError(f"malformed {name} header")
+    return int(value)
+
+
+def check_tolerance(signed_at: int, inbound: Inbound, source: SourceConfig) -> None:
+    """Raise TimestampError unless the signed time is within tolerance of now, either way."""
+    if abs(inbound.now - signed_at) > source.tolerance_seconds:
+        raise TimestampError("timestamp outside the tolerance")
+
+
+def verify_hex_body(inbound: Inbound, source: SourceConfig) -> None:
+    """Check ``source.signature_header``: HMAC-SHA256 hex of the raw body, optional ``word=``."""
+    if not source.signature_header:
+        raise SignatureError("no signature header configured")
+    value = header(inbound, source.signature_header)
+    digest = from_hex(_PREFIX.sub("", value, count=1))
+    if digest is None:
+        raise SignatureError(f"malformed {source.signature_header} header")
+    expected = (hmac_sha256(s.encode(), inbound.body) for s in secrets_of(source))
+    if not any_match(expected, [digest]):
+        raise SignatureError("signature does not match")
+
+
+def dedup_key(value: Any) -> str:
+    """Validate a dedup key: a non-empty string of at most 512 characters."""
+    if not isinstance(value, str) or not value.strip():
+        raise MissingKeyError("no dedup key")
+    if len(value) > MAX_KEY_LENGTH:
+        raise MissingKeyError("dedup key too long")
+    return value
+
+
+def json_object(inbound: Inbound) -> dict[str, Any]:
+    """Return the parsed body as a JSON object, or raise PayloadError."""
+    if not isinstance(inbound.json, dict):
+        raise PayloadError("body is not a JSON object")
+    return inbound.json
+
+
+def str_or_none(value: Any) -> str | None:
+    """Return a non-empty string as is, anything else as None."""
+    return value if isinstance(value, str) and value else None
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a body the receipt code did not parse, raising PayloadError."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PayloadError("body is not valid JSON") from exc
+
+
+_MISSING = object()
+
+
+def resolve_pointer(document: Any, pointer: str) -> Any:
+    """Resolve an RFC 6901 JSON pointer; return None when nothing is there."""
+    if pointer == "":
+        return document
+    if not pointer.startswith("/"):
+        raise PayloadError("JSON pointer must start with '/'")
+    node: Any = document
+    for raw in pointer[1:].split("/"):
+        if re.search(r"~(?![01])", raw):
+            raise PayloadError("JSON pointer has an invalid ~ escape")
+        token = raw.replace("~1", "/").replace("~0", "~")  # this order, per the RFC
+        if isinstance(node, dict):
+            node = node.get(token, _MISSING)
+        elif isinstance(node, list) and re.fullmatch(r"0|[1-9][0-9]*", token):
+            index = int(token)
+            node = node[index] if index < len(node) else _MISSING
+        else:
+            node = _MISSING
+        if node is _MISSING:
+            return None
+    return node

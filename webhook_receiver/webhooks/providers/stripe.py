@@ -1,0 +1,49 @@
+"""Stripe: ``Stripe-Signature: t=<unix>,v1=<hex>`` over ``<t>.<raw body>``; key is the event id."""
+
+from __future__ import annotations
+
+from . import _common as c
+from .base import Identified, Inbound, SignatureError, SourceConfig
+
+
+class StripeProvider:
+    """Stripe webhook endpoints, with secret rotation and a two-sided timestamp window."""
+
+    name: str = "stripe"
+    requires_json: bool = True
+    secret_headers: frozenset[str] = frozenset({"stripe-signature"})
+
+    def verify(self, inbound: Inbound, source: SourceConfig) -> None:
+        """Check any v1 signature against every secret, then the timestamp."""
+        value = c.header(inbound, "Stripe-Signature")
+        stamps: list[str] = []
+        signatures: list[bytes] = []
+        for item in value.split(","):
+            scheme, sep, data = item.strip().partition("=")
+            if not sep:
+                raise SignatureError("malformed Stripe-Signature header")
+            if scheme == "t":
+                stamps.append(data)
+            elif scheme == "v1":
+                digest = c.from_hex(data)
+                if digest is not None:
+                    signatures.append(digest)
+            # Other schemes (v0 test signatures, future ones) are ignored, as Stripe's SDK does.
+        if len(stamps) != 1:
+            raise SignatureError("malformed Stripe-Signature header")
+        signed_at = c.timestamp(stamps[0], "Stripe-Signature")
+        if not signatures:
+            raise SignatureError("no v1 signature in Stripe-Signature header")
+        # Stripe keys the HMAC with the whsec_... string itself, not its decoding.
+        message = f"{signed_at}.".encode() + inbound.body
+        expected = (c.hmac_sha256(s.encode(), message) for s in c.secrets_of(source))
+        if not c.any_match(expected, signatures):
+            raise SignatureError("signature does not match")
+        c.check_tolerance(signed_at, inbound, source)
+
+    def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
+        """The event id stays the same when Stripe retries (and re-signs) a delivery."""
+        event = c.json_object(inbound)
+        return Identified(
+            dedup_key=c.dedup_key(event.get("id")), event_type=c.str_or_none(event.get("type"))
+        )
