@@ -28,7 +28,9 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
         raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")
     if not isinstance(event_type, str) or not event_type or len(event_type) > 255:
-        raise Problem("invalid-event", '"type" must be a non-empty string of at most 255 characters')
+        raise Problem(
+            "invalid-event", '"type" must be a non-empty string of at most 255 characters'
+        )
     if "data" not in payload:
         raise Problem("invalid-event", '"data" is required (any JSON value)')
     source = f"api:{g.client}"

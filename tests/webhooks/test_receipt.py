@@ -1,0 +1,317 @@
+"""Receipt at /webhooks/<source> through the app, on both databases."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Event, EventConflict, EventDuplicate, Rejection
+
+from . import signing as s
+
+
+@pytest.fixture
+def app(make_app):
+    return make_app({"sources": s.SOURCES})
+
+
+def rows(app, model):
+    with app.app_context():
+        return db.session.scalars(select(model).order_by(model.id)).all()
+
+
+def count(app, model):
+    with app.app_context():
+        return db.session.scalar(select(func.count()).select_from(model))
+
+
+def post(client, source, body, headers):
+    return client.post(f"/webhooks/{source}", data=body, headers=headers)
+
+
+STRIPE_EVENT = {"id": "evt_1", "type": "invoice.paid", "data": {"object": {"id": "in_1"}}}
+
+
+def test_first_stripe_delivery_is_stored_and_acknowledged(app, client):
+    body, headers = s.stripe_delivery(STRIPE_EVENT)
+    client.set_cookie("session", "secret-cookie")
+    response = post(
+        client,
+        "stripe-live",
+        body,
+        {**headers, "Authorization": "Basic abc", "X-Request-Id": "req-42"},
+    )
+    assert response.status_code == 200
+    event_id = response.get_json()["event_id"]
+    assert response.get_json() == {"status": "accepted", "event_id": event_id}
+    assert "Idempotent-Replayed" not in response.headers
+    assert response.headers["X-Request-Id"] == "req-42"
+    (event,) = rows(app, Event)
+    assert event.id == event_id
+    assert (event.source, event.dedup_key, event.event_type) == (
+        "stripe-live",
+        "evt_1",
+        "invoice.paid",
+    )
+    assert event.body == body
+    assert event.content_type == "application/json"
+    assert len(event.fingerprint) == 64
+    assert event.correlation_id == "req-42"
+    stored = {name.lower(): value for name, value in event.headers}
+    assert stored["stripe-signature"] == "[redacted]"
+    assert stored["authorization"] == "[redacted]"
+    assert stored["cookie"] == "[redacted]"
+    assert stored["x-request-id"] == "req-42"
+    assert event.duplicate_count == 0
+
+
+def test_stripe_retry_resigned_later_is_a_duplicate(app, client):
+    body, headers = s.stripe_delivery(STRIPE_EVENT, t=int(time.time()) - 120)
+    first = post(client, "stripe-live", body, headers)
+    # Stripe re-signs each attempt with a new timestamp, and may re-serialise.
+    retry_body = json.dumps(STRIPE_EVENT, indent=2, sort_keys=True).encode()
+    import stripe
+
+    retry_headers = {
+        "Stripe-Signature": stripe.WebhookSignature.generate_signature_header(
+            retry_body.decode(), s.STRIPE_SECRET, timestamp=int(time.time())
+        ),
+        "Content-Type": "application/json",
+    }
+    for expected in (1, 2):
+        again = post(client, "stripe-live", retry_body, retry_headers)
+        assert again.status_code == 200
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.get_json() == first.get_json()
+        (event,) = rows(app, Event)
+        assert event.duplicate_count == expected
+        assert event.body == body  # the original is untouched
+    assert event.last_duplicate_at is not None
+    assert [d.event_id for d in rows(app, EventDuplicate)] == [event.id, event.id]
+
+
+def test_same_key_different_content_is_422_and_kept(app, client, caplog):
+    post(client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT))
+    changed = {**STRIPE_EVENT, "data": {"object": {"id": "in_2"}}}
+    body, headers = s.stripe_delivery(changed)
+    with caplog.at_level("ERROR"):
+        response = post(client, "stripe-live", body, headers)
+    assert response.status_code == 422
+    assert response.mimetype == "application/problem+json"
+    problem = response.get_json()
+    assert problem["type"] == "/problems/dedup-key-conflict"
+    (event,) = rows(app, Event)
+    assert problem["event_id"] == event.id
+    assert json.loads(event.body)["data"]["object"]["id"] == "in_1"
+    assert event.duplicate_count == 0
+    assert any(
+        r.levelname == "ERROR" and "different content" in r.getMessage() for r in caplog.records
+    )
+    # the same conflicting content again: still one conflict record, counted
+    post(client, "stripe-live", *s.stripe_delivery(changed))
+    (conflict,) = rows(app, EventConflict)
+    assert (conflict.event_id, conflict.dedup_key, conflict.body) == (event.id, "evt_1", body)
+    assert conflict.seen_count == 2
+    assert dict(conflict.headers)["Stripe-Signature"] == "[redacted]"
+    # a third content makes a second record
+    third = {**STRIPE_EVENT, "type": "invoice.voided"}
+    assert post(client, "stripe-live", *s.stripe_delivery(third)).status_code == 422
+    assert count(app, EventConflict) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "slug"),
+    [
+        ("bad-signature", "signature-invalid"),
+        ("wrong-secret", "signature-invalid"),
+        ("tampered", "signature-invalid"),
+        ("missing", "signature-invalid"),
+        ("stale", "timestamp-out-of-tolerance"),
+        ("future", "timestamp-out-of-tolerance"),
+    ],
+)
+def test_unauthentic_deliveries_are_401_and_not_stored(app, client, change, slug):
+    now = int(time.time())
+    body, headers = s.stripe_delivery(
+        STRIPE_EVENT,
+        secret="whsec_other" if change == "wrong-secret" else s.STRIPE_SECRET,
+        t={"stale": now - 301, "future": now + 301}.get(change, now),
+    )
+    if change == "bad-signature":
+        headers["Stripe-Signature"] = f"t={now},v1={'0' * 64}"
+    if change == "tampered":
+        body = body.replace(b"in_1", b"in_9")
+    if change == "missing":
+        del headers["Stripe-Signature"]
+    response = post(client, "stripe-live", body, headers)
+    assert response.status_code == 401
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == f"/problems/{slug}"
+    assert count(app, Event) == 0
+    (rejection,) = rows(app, Rejection)
+    assert rejection.source == "stripe-live"
+    assert rejection.reason == ("timestamp" if "timestamp" in slug else "signature")
+
+
+def test_secret_rotation_accepts_old_and_new(make_app):
+    sources = {
+        "stripe-live": {"provider": "stripe", "secrets": ["whsec_new_0123", "whsec_old_0123"]}
+    }
+    app = make_app({"sources": sources})
+    client = app.test_client()
+    for i, secret in enumerate(["whsec_new_0123", "whsec_old_0123"]):
+        event = {**STRIPE_EVENT, "id": f"evt_{i}"}
+        assert (
+            post(client, "stripe-live", *s.stripe_delivery(event, secret=secret)).status_code == 200
+        )
+    assert (
+        post(
+            client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT, secret="whsec_gone")
+        ).status_code
+        == 401
+    )
+    assert count(app, Event) == 2
+
+
+def test_unknown_source_is_404(app, client):
+    response = post(client, "nope", *s.stripe_delivery(STRIPE_EVENT))
+    assert response.status_code == 404
+    assert response.get_json()["type"] == "/problems/unknown-source"
+
+
+def test_body_over_limit_is_413(make_app):
+    app = make_app({"sources": s.SOURCES}, MAX_BODY_BYTES=500)
+    body, headers = s.stripe_delivery({**STRIPE_EVENT, "pad": "x" * 600})
+    response = post(app.test_client(), "stripe-live", body, headers)
+    assert response.status_code == 413
+    assert response.mimetype == "application/problem+json"
+    assert count(app, Event) == 0
+
+
+def test_signed_non_json_to_a_json_provider_is_400(app, client):
+    body = b"not json at all"
+    import stripe
+
+    header = stripe.WebhookSignature.generate_signature_header(
+        body.decode(), s.STRIPE_SECRET, timestamp=int(time.time())
+    )
+    response = post(
+        client, "stripe-live", body, {"Stripe-Signature": header, "Content-Type": "text/plain"}
+    )
+    assert response.status_code == 400
+    assert response.get_json()["type"] == "/problems/payload-invalid"
+    assert count(app, Event) == 0
+
+
+def test_missing_event_id_is_400(app, client):
+    response = post(client, "stripe-live", *s.stripe_delivery({"type": "x"}))
+    assert response.status_code == 400
+    assert response.get_json()["type"] == "/problems/dedup-key-missing"
+
+
+def test_github_delivery_keyed_by_delivery_header(app, client):
+    body, headers = s.github_delivery({"action": "opened", "number": 1}, "d-1", "issues")
+    assert post(client, "github", body, headers).status_code == 200
+    # a redelivery from GitHub's UI keeps X-GitHub-Delivery
+    again = post(client, "github", body, headers)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    (event,) = rows(app, Event)
+    assert (event.dedup_key, event.event_type, event.duplicate_count) == ("d-1", "issues.opened", 1)
+    assert dict(event.headers)["X-Hub-Signature-256"] == "[redacted]"
+
+
+def test_standard_webhooks_signed_by_svix_sdk(app, client):
+    body, headers = s.standard_delivery({"type": "user.created", "id": 5}, "msg_abc")
+    assert post(client, "svix", body, headers).status_code == 200
+    # a retry carries the same webhook-id and a new timestamp and signature
+    body2, headers2 = s.standard_delivery(
+        {"type": "user.created", "id": 5}, "msg_abc", t=int(time.time()) + 5
+    )
+    assert post(client, "svix", body2, headers2).headers["Idempotent-Replayed"] == "true"
+    (event,) = rows(app, Event)
+    assert (event.dedup_key, event.event_type) == ("msg_abc", "user.created")
+    stored = dict(event.headers)
+    assert stored["Webhook-Signature"] == "[redacted]"
+
+
+def test_shopify_keyed_by_webhook_id_not_event_id(app, client):
+    payload = {"id": 820982911946154508}
+    assert post(client, "shop", *s.shopify_delivery(payload, "wh-1", "evt-9")).status_code == 200
+    # a second subscription to the same event: same event id, other webhook id
+    assert post(client, "shop", *s.shopify_delivery(payload, "wh-2", "evt-9")).status_code == 200
+    events = rows(app, Event)
+    assert [e.dedup_key for e in events] == ["wh-1", "wh-2"]
+    assert [e.meta.get("shopify_event_id") for e in events] == ["evt-9", "evt-9"]
+
+
+def test_slack_challenge_answered_and_not_stored(app, client):
+    body, headers = s.slack_delivery(
+        {"type": "url_verification", "challenge": "abc123", "token": "x"}
+    )
+    response = post(client, "slack", body, headers)
+    assert response.status_code == 200
+    assert response.get_json() == {"challenge": "abc123"}
+    assert count(app, Event) == 0
+    event = {"type": "event_callback", "event_id": "Ev1", "event": {"type": "app_mention"}}
+    assert post(client, "slack", *s.slack_delivery(event)).status_code == 200
+    (stored,) = rows(app, Event)
+    assert (stored.dedup_key, stored.event_type) == ("Ev1", "app_mention")
+
+
+def test_gitlab_token_and_idempotency_key(app, client):
+    headers = {
+        "X-Gitlab-Token": s.GITLAB_SECRET,
+        "X-Gitlab-Event": "Push Hook",
+        "Idempotency-Key": "gl-1",
+        "X-Gitlab-Event-UUID": "uuid-1",
+        "Content-Type": "application/json",
+    }
+    assert post(client, "gitlab", b'{"object_kind": "push"}', headers).status_code == 200
+    bad = {**headers, "X-Gitlab-Token": "wrong-token"}
+    assert post(client, "gitlab", b'{"object_kind": "push"}', bad).status_code == 401
+    (event,) = rows(app, Event)
+    assert event.dedup_key == "gl-1"
+    assert dict(event.headers)["X-Gitlab-Token"] == "[redacted]"
+
+
+def test_cloudevents_binary_and_structured_share_one_key_space(app, client):
+    data = b'{"temperature": 21}'
+    binary = {
+        "ce-id": "A-1",
+        "ce-source": "/sensors/1",
+        "ce-type": "reading",
+        "ce-specversion": "1.0",
+        "Content-Type": "application/json",
+        "X-Signature": f"sha256={s.hmac_hex(data)}",
+    }
+    assert post(client, "ce", data, binary).status_code == 200
+    structured = json.dumps(
+        {
+            "specversion": "1.0",
+            "id": "A-2",
+            "source": "/sensors/1",
+            "type": "reading",
+            "data": {"temperature": 22},
+        }
+    ).encode()
+    headers = {
+        "Content-Type": "application/cloudevents+json",
+        "X-Signature": s.hmac_hex(structured),
+    }
+    assert post(client, "ce", structured, headers).status_code == 200
+    keys = [e.dedup_key for e in rows(app, Event)]
+    assert keys == ['["/sensors/1","A-1"]', '["/sensors/1","A-2"]']
+    assert post(client, "ce", data, {**binary, "X-Signature": "sha256=00"}).status_code == 401
+
+
+def test_generic_json_pointer_key(app, client):
+    body = json.dumps({"meta": {"delivery": 77}, "kind": "thing"}).encode()
+    headers = {"X-Hub-Signature": f"sha256={s.hmac_hex(body)}", "Content-Type": "application/json"}
+    assert post(client, "generic-json", body, headers).status_code == 200
+    assert post(client, "generic-json", body, headers).headers["Idempotent-Replayed"] == "true"
+    (event,) = rows(app, Event)
+    assert (event.dedup_key, event.duplicate_count) == ("77", 1)

@@ -1,0 +1,47 @@
+"""A correlation id per request: taken from the caller when it sends one, else made up.
+
+It is returned as ``X-Request-Id``, stored on the event, logged with every
+line about the request, and sent downstream when the event is forwarded.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from flask import Flask, Response, g, request
+
+HEADER = "X-Request-Id"
+_SAFE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+# W3C Trace Context: version-traceid-parentid-flags
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def from_request() -> str:
+    """Pick the correlation id of the current request."""
+    given = request.headers.get(HEADER, "").strip()
+    if _SAFE.match(given):
+        return given
+    match = _TRACEPARENT.match(request.headers.get("traceparent", "").strip().lower())
+    if match and match.group(1) != "0" * 32:
+        return match.group(1)
+    return uuid.uuid4().hex
+
+
+def current() -> str | None:
+    """The current request's correlation id, if any."""
+    return g.get("correlation_id")
+
+
+def init_app(app: Flask) -> None:
+    """Set ``g.correlation_id`` before each request and echo it in the response."""
+
+    @app.before_request
+    def _set() -> None:
+        g.correlation_id = from_request()
+
+    @app.after_request
+    def _echo(response: Response) -> Response:
+        if "correlation_id" in g:
+            response.headers[HEADER] = g.correlation_id
+        return response

@@ -1,0 +1,256 @@
+"""Receiving one provider delivery: verify, identify, then store once.
+
+The event row is the dedup marker: its unique (source, dedup key)
+constraint decides between racing copies. A redelivery is read first (the
+common case under retry storms, and cheaper than a failed insert), and its
+duplicate count goes up in the same statement that reads it back, never by
+read-modify-write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import insert, update
+from werkzeug.datastructures import Headers
+
+from .. import correlation, events
+from ..database import is_sqlite
+from ..extensions import db
+from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
+from ..models import Event, EventConflict, EventDuplicate, Rejection, utcnow
+from ..problems import Problem
+from .providers import (
+    Identified,
+    Inbound,
+    MissingKeyError,
+    PayloadError,
+    SignatureError,
+    SourceConfig,
+    TimestampError,
+    get_provider,
+    needs_json,
+    redacted_headers,
+)
+
+log = logging.getLogger(__name__)
+
+_events = Event.__table__
+_duplicates = EventDuplicate.__table__
+_conflicts = EventConflict.__table__
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What became of a delivery: accepted, duplicate, or answered without storing."""
+
+    outcome: str  # accepted | duplicate | conflict | immediate
+    body: dict[str, Any]
+    event_id: int | None = None
+
+
+def accepted_body(event_id: int) -> dict[str, Any]:
+    """The response a stored event is answered with, first time and every time after."""
+    return {"status": "accepted", "event_id": event_id}
+
+
+def receive(
+    source: SourceConfig, body: bytes, headers: Headers, remote_addr: str | None
+) -> Receipt:
+    """Verify and store one delivery to ``source``; raise a Problem to refuse it."""
+    provider = get_provider(source.provider)
+    content_type = headers.get("Content-Type", "")
+    parsed, json_error = _parse(body, content_type, needs_json(source))
+    inbound = Inbound(
+        body=body, headers=headers, content_type=content_type, json=parsed, now=time.time()
+    )
+    try:
+        provider.verify(inbound, source)
+    except SignatureError as exc:
+        reason = "timestamp" if isinstance(exc, TimestampError) else "signature"
+        _reject(source, reason, str(exc), remote_addr)
+        raise Problem(
+            "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
+            str(exc),
+        ) from exc
+    if json_error is not None and needs_json(source):
+        raise Problem("payload-invalid", f"{provider.name} deliveries are JSON: {json_error}")
+    try:
+        identified = provider.identify(inbound, source)
+    except MissingKeyError as exc:
+        raise Problem("dedup-key-missing", str(exc)) from exc
+    except PayloadError as exc:
+        raise Problem("payload-invalid", str(exc)) from exc
+    if identified.immediate_response is not None:
+        return Receipt("immediate", identified.immediate_response)
+
+    is_json = parsed is not None
+    content = canonical_json(parsed) if is_json else body
+    # The content decides the fingerprint; signatures, timestamps and retry
+    # counters change per attempt and must not.
+    print_ = fingerprint([identified.event_type or "", content])
+    return _store(source, identified, print_, body, content_type, headers)
+
+
+def _parse(body: bytes, content_type: str, required: bool) -> tuple[Any, str | None]:
+    if not (required or is_json_type(content_type)):
+        return None, None
+    try:
+        return loads(body), None
+    except JSONError as exc:
+        return None, str(exc)
+
+
+def _store(
+    source: SourceConfig,
+    identified: Identified,
+    print_: str,
+    body: bytes,
+    content_type: str,
+    headers: Headers,
+) -> Receipt:
+    session = db.session
+    key = identified.dedup_key
+    for _ in range(3):
+        existing = events.find_by_key(source.name, key)
+        session.rollback()  # end the read: the write below opens its own transaction
+        now = utcnow()
+        if existing is None:
+            event_id = events.insert_event(
+                {
+                    "source": source.name,
+                    "dedup_key": key,
+                    "event_type": identified.event_type,
+                    "fingerprint": print_,
+                    "content_type": content_type or None,
+                    "body": body,
+                    "headers": events.redact_headers(headers.items(), redacted_headers(source)),
+                    "meta": identified.meta,
+                    "correlation_id": correlation.current(),
+                    "received_at": now,
+                    "duplicate_count": 0,
+                }
+            )
+            if event_id is None:
+                session.rollback()
+                continue  # a concurrent copy won the insert: it is ours to count
+            session.commit()
+            _log("accepted", source, key, event_id)
+            return Receipt("accepted", accepted_body(event_id), event_id)
+        if existing.fingerprint == print_:
+            _count_duplicate(existing.id, now)
+            session.commit()
+            _log("duplicate", source, key, existing.id)
+            return Receipt("duplicate", accepted_body(existing.id), existing.id)
+        _keep_conflict(existing.id, source, key, print_, body, content_type, headers, now)
+        session.commit()
+        log.error(
+            "dedup key reused with different content",
+            extra={
+                "outcome": "conflict",
+                "source": source.name,
+                "dedup_key": key,
+                "event_id": existing.id,
+                "correlation_id": correlation.current(),
+            },
+        )
+        raise Problem(
+            "dedup-key-conflict",
+            "an event with this key and different content was already received; "
+            "this delivery is kept for review",
+            event_id=existing.id,
+        )
+    raise RuntimeError("receipt did not settle")  # pragma: no cover
+
+
+def _count_duplicate(event_id: int, now: datetime) -> None:
+    # One UPDATE increments in the database: concurrent duplicates never
+    # lose a count to a read-modify-write race.
+    db.session.execute(
+        update(_events)
+        .where(_events.c.id == event_id)
+        .values(duplicate_count=_events.c.duplicate_count + 1, last_duplicate_at=now)
+    )
+    db.session.execute(insert(_duplicates).values(event_id=event_id, received_at=now))
+
+
+def _keep_conflict(
+    event_id: int,
+    source: SourceConfig,
+    key: str,
+    print_: str,
+    body: bytes,
+    content_type: str,
+    headers: Headers,
+    now: datetime,
+) -> None:
+    if is_sqlite():
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    stmt = dialect_insert(_conflicts).values(
+        event_id=event_id,
+        source=source.name,
+        dedup_key=key,
+        fingerprint=print_,
+        content_type=content_type or None,
+        body=body,
+        headers=events.redact_headers(headers.items(), redacted_headers(source)),
+        received_at=now,
+        seen_count=1,
+        last_seen_at=now,
+    )
+    # One record per distinct content: a repeat of the same conflicting
+    # delivery only counts.
+    db.session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["event_id", "fingerprint"],
+            set_={"seen_count": _conflicts.c.seen_count + 1, "last_seen_at": now},
+        )
+    )
+
+
+def _reject(source: SourceConfig, reason: str, detail: str, remote_addr: str | None) -> None:
+    log.warning(
+        "delivery refused",
+        extra={
+            "outcome": f"rejected_{reason}",
+            "source": source.name,
+            "reason": detail,
+            "correlation_id": correlation.current(),
+        },
+    )
+    # Counting a refusal must never turn it into a 5xx: if the database is
+    # away, the 401 still stands.
+    try:
+        db.session.execute(
+            insert(Rejection.__table__).values(
+                source=source.name,
+                reason=reason,
+                detail=detail[:500],
+                remote_addr=(remote_addr or "")[:100] or None,
+                received_at=utcnow(),
+            )
+        )
+        db.session.commit()
+    except Exception:
+        db.session.rollback()
+        log.warning("could not record a refused delivery", exc_info=True)
+
+
+def _log(outcome: str, source: SourceConfig, key: str, event_id: int) -> None:
+    log.info(
+        "delivery %s",
+        outcome,
+        extra={
+            "outcome": outcome,
+            "source": source.name,
+            "dedup_key": key,
+            "event_id": event_id,
+            "correlation_id": correlation.current(),
+        },
+    )
