@@ -143,9 +143,9 @@ def make_app(db_url: str, tmp_path: Any) -> Iterator[Callable[..., Flask]]:
             "TESTING": True,
             "SECRET_KEY": SECRET_KEY,
             "SQLALCHEMY_DATABASE_URI": db_url,
-            "RECEIVER_CONFIG": receiver_config if receiver_config is not None else {
-                "clients": CLIENTS
-            },
+            "RECEIVER_CONFIG": receiver_config
+            if receiver_config is not None
+            else {"clients": CLIENTS},
         }
         config.update(overrides)
         app = create_app(config)

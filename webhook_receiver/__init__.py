@@ -57,16 +57,19 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)
 
-    from . import database, problems
+    from . import correlation, database, problems
 
     database.init_app(app)
     problems.init_app(app)
+    correlation.init_app(app)
 
     from .api import bp as api_bp
     from .health import bp as health_bp
+    from .webhooks.views import bp as webhooks_bp
 
     app.register_blueprint(health_bp)
     app.register_blueprint(api_bp)
+    app.register_blueprint(webhooks_bp)
 
     from . import retention
 

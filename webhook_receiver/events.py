@@ -61,7 +61,5 @@ def iso(moment: datetime | None) -> str | None:
 def find_by_key(source: str, dedup_key: str) -> Any:
     """Read the id and fingerprint of the event stored under (source, dedup_key)."""
     return db.session.execute(
-        select(_t.c.id, _t.c.fingerprint).where(
-            _t.c.source == source, _t.c.dedup_key == dedup_key
-        )
+        select(_t.c.id, _t.c.fingerprint).where(_t.c.source == source, _t.c.dedup_key == dedup_key)
     ).one_or_none()

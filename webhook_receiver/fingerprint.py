@@ -56,9 +56,9 @@ def is_json_type(content_type: str | None) -> bool:
 def canonical_json(value: Any) -> bytes:
     """Serialise a parsed JSON value canonically."""
     try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        ).encode("utf-8")
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+            "utf-8"
+        )
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
 

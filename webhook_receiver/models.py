@@ -89,9 +89,7 @@ class EventDuplicate(db.Model):
     __table_args__ = (Index("ix_event_duplicates_received_at", "received_at"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
-    event_id: Mapped[int] = mapped_column(
-        ForeignKey("events.id", ondelete="CASCADE"), index=True
-    )
+    event_id: Mapped[int] = mapped_column(ForeignKey("events.id", ondelete="CASCADE"), index=True)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
@@ -195,9 +193,7 @@ class EntityVersion(db.Model):
     source: Mapped[str] = mapped_column(String(200))
     entity: Mapped[str] = mapped_column(String(512))
     version: Mapped[str] = mapped_column(String(100))
-    event_id: Mapped[int | None] = mapped_column(
-        ForeignKey("events.id", ondelete="SET NULL")
-    )
+    event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 

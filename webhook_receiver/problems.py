@@ -128,9 +128,7 @@ def init_app(app: Flask) -> None:
         db.session.rollback()
         if isinstance(exc, PoolTimeout) or exc.connection_invalidated or _is_unavailable(exc):
             app.logger.warning("database unavailable: %s", exc)
-            return problem_response(
-                Problem("database-unavailable", headers={"Retry-After": "5"})
-            )
+            return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
         app.logger.exception("database error")
         return problem_response(Problem("internal-error"))
 
