@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .webhooks.providers.base import SourceConfig
+from .webhooks.providers.generic import parse_spec
 
 PROVIDER_NAMES = frozenset(
     {"stripe", "github", "gitlab", "standard", "shopify", "slack", "cloudevents", "generic"}
@@ -34,6 +36,14 @@ DEFAULTS: dict[str, Any] = {
     "SESSION_COOKIE_SECURE": False,
     "FORCE_SHORT_RETENTION": False,
     "SQLALCHEMY_ENGINE_OPTIONS": {},
+    # The delivery worker (webhook_receiver.processing). A lease must outlast
+    # the slowest forward: connect and read timeouts both count.
+    "WORKER_LEASE_SECONDS": 60,
+    "WORKER_POLL_SECONDS": 1.0,
+    "WORKER_MAX_ATTEMPTS": 8,
+    "WORKER_BACKOFF_BASE_SECONDS": 30,
+    "WORKER_BACKOFF_MAX_SECONDS": 3600,
+    "WORKER_RETRY_AFTER_MAX_SECONDS": 24 * 3600,
 }
 
 # A placeholder that must never reach production.
@@ -53,6 +63,26 @@ class ClientConfig:
 
 
 @dataclass(frozen=True)
+class ForwardConfig:
+    """One ``[[sources.<name>.forward]]`` (or ``[[clients.<name>.forward]]``) table."""
+
+    name: str
+    url: str
+    timeout_seconds: float = 10
+    # None forwards every event type.
+    event_types: tuple[str, ...] | None = None
+    max_attempts: int | None = None
+
+
+@dataclass(frozen=True)
+class OrderingConfig:
+    """A source's ``version`` and ``entity`` JSON pointers: stale events are skipped."""
+
+    version: str
+    entity: str
+
+
+@dataclass(frozen=True)
 class FileConfig:
     """The validated contents of the TOML file."""
 
@@ -60,6 +90,9 @@ class FileConfig:
     clients: dict[str, ClientConfig] = field(default_factory=dict)
     sources: dict[str, SourceConfig] = field(default_factory=dict)
     handlers: tuple[str, ...] = ()
+    # Keyed by event source: a source name, or ``api:<client>``.
+    forwards: dict[str, tuple[ForwardConfig, ...]] = field(default_factory=dict)
+    ordering: dict[str, OrderingConfig] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def client_for_token(self, token: str) -> ClientConfig | None:
@@ -109,20 +142,39 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
     unknown = set(raw) - {"clients", "sources", "handlers"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
-    clients = {
-        name: _client(name, table, path) for name, table in _tables(raw, "clients", path).items()
-    }
+    client_tables = _tables(raw, "clients", path)
+    clients = {name: _client(name, table, path) for name, table in client_tables.items()}
     tokens = [c.token for c in clients.values()]
     if len(set(tokens)) != len(tokens):
         raise ConfigError(f"{path}: two clients share one token")
-    sources = {
-        name: _source(name, table, path) for name, table in _tables(raw, "sources", path).items()
-    }
+    source_tables = _tables(raw, "sources", path)
+    sources = {name: _source(name, table, path) for name, table in source_tables.items()}
+    forwards: dict[str, tuple[ForwardConfig, ...]] = {}
+    ordering: dict[str, OrderingConfig] = {}
+    for kind, tables, prefix in (
+        ("clients", client_tables, "api:"),
+        ("sources", source_tables, ""),
+    ):
+        for name, table in tables.items():
+            where = f"{path}: [{kind}.{name}]"
+            if "forward" in table:
+                forwards[prefix + name] = _forwards(
+                    table["forward"], f"{path}: [[{kind}.{name}.forward]]"
+                )
+            order = _ordering(table, where)
+            if order is not None:
+                ordering[prefix + name] = order
     handlers = raw.get("handlers", [])
     if not isinstance(handlers, list) or not all(isinstance(h, str) for h in handlers):
         raise ConfigError(f"{path}: handlers must be a list of module names")
     return FileConfig(
-        path=path, clients=clients, sources=sources, handlers=tuple(handlers), raw=raw
+        path=path,
+        clients=clients,
+        sources=sources,
+        handlers=tuple(handlers),
+        forwards=forwards,
+        ordering=ordering,
+        raw=raw,
     )
 
 
@@ -137,12 +189,14 @@ def _client(name: str, table: dict[str, Any], path: str) -> ClientConfig:
     token = table.get("token")
     if not isinstance(token, str) or len(token) < 16:
         raise ConfigError(f"{path}: [clients.{name}] token must be a string of 16+ characters")
-    extra = set(table) - {"token"}
+    extra = set(table) - {"token", *_PROCESSING_KEYS}
     if extra:
         raise ConfigError(f"{path}: [clients.{name}] unknown key(s): {', '.join(sorted(extra))}")
     return ClientConfig(name=name, token=token)
 
 
+# Keys read by the processing side (forwards and ordering), on sources and clients.
+_PROCESSING_KEYS = {"forward", "version", "entity"}
 _SOURCE_KEYS = {
     "provider",
     "secrets",
@@ -150,7 +204,67 @@ _SOURCE_KEYS = {
     "retention_days",
     "signature_header",
     "dedup_key",
+    *_PROCESSING_KEYS,
 }
+CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"}
+
+
+def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{where} must be an array of tables ([[...forward]])")
+    result = []
+    for table in tables:
+        name = table.get("name")
+        if not isinstance(name, str) or not CONSUMER_NAME.match(name):
+            raise ConfigError(
+                f"{where} name must be 1-100 letters, digits, '.', '_' or '-' (got {name!r})"
+            )
+        here = f"{where} {name}:"
+        unknown = set(table) - _FORWARD_KEYS
+        if unknown:
+            raise ConfigError(f"{here} unknown key(s): {', '.join(sorted(unknown))}")
+        url = table.get("url")
+        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError(f"{here} url must be an http:// or https:// URL")
+        timeout = table.get("timeout_seconds", 10)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"{here} timeout_seconds must be a positive number")
+        event_types = table.get("event_types")
+        if event_types is not None and (
+            not isinstance(event_types, list)
+            or not all(isinstance(t, str) and t for t in event_types)
+        ):
+            raise ConfigError(f"{here} event_types must be a list of event type names")
+        max_attempts = table.get("max_attempts")
+        if max_attempts is not None and (
+            not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
+        ):
+            raise ConfigError(f"{here} max_attempts must be a positive integer")
+        if any(f.name == name for f in result):
+            raise ConfigError(f"{where} two forwards are named {name!r}")
+        result.append(
+            ForwardConfig(
+                name=name,
+                url=url,
+                timeout_seconds=timeout,
+                event_types=None if event_types is None else tuple(event_types),
+                max_attempts=max_attempts,
+            )
+        )
+    return tuple(result)
+
+
+def _ordering(table: dict[str, Any], where: str) -> OrderingConfig | None:
+    version, entity = table.get("version"), table.get("entity")
+    if version is None and entity is None:
+        return None
+    for key, value in (("version", version), ("entity", entity)):
+        if not isinstance(value, str) or not value.startswith("json:/"):
+            raise ConfigError(
+                f"{where} {key} must be 'json:<pointer>' (version and entity go together)"
+            )
+    return OrderingConfig(version=version[len("json:") :], entity=entity[len("json:") :])
 
 
 def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
@@ -176,8 +290,20 @@ def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
     if provider in ("generic", "cloudevents") and not isinstance(signature_header, str):
         raise ConfigError(f"{where} provider {provider} needs signature_header")
     dedup_key = table.get("dedup_key", "header:Idempotency-Key")
-    if not isinstance(dedup_key, str) or not dedup_key.startswith(("header:", "json:")):
-        raise ConfigError(f"{where} dedup_key must be 'header:<Name>' or 'json:<pointer>'")
+    for key in ("dedup_key", "event_type"):
+        spec = dedup_key if key == "dedup_key" else table.get(key)
+        if spec is None:
+            continue
+        try:
+            parse_spec(spec) if isinstance(spec, str) else parse_spec("")
+        except ValueError as exc:
+            raise ConfigError(
+                f"{where} {key} must be 'header:<Name>' or 'json:<JSON pointer>': {exc}"
+            ) from exc
+    if provider == "standard":
+        for secret in secrets:
+            if not _is_standard_secret(secret):
+                raise ConfigError(f"{where} secrets must be whsec_<base64> for provider standard")
     extra = {k: v for k, v in table.items() if k not in _SOURCE_KEYS}
     return SourceConfig(
         name=name,
@@ -189,3 +315,15 @@ def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
         dedup_key=dedup_key,
         extra=extra,
     )
+
+
+def _is_standard_secret(secret: str) -> bool:
+    import base64
+    import binascii
+
+    if not secret.startswith("whsec_"):
+        return False
+    try:
+        return bool(base64.b64decode(secret[len("whsec_") :], validate=True))
+    except (binascii.Error, ValueError):
+        return False

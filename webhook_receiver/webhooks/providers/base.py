@@ -41,7 +41,7 @@ class SourceConfig:
 
     name: str
     provider: str
-    secrets: tuple[str, ...]
+    secrets: tuple[str, ...] = field(repr=False)
     tolerance_seconds: int = 300
     retention_days: int = 30
     signature_header: str | None = None
