@@ -90,3 +90,15 @@ def insert_ignoring_conflicts(table: Any, index_elements: list[str]) -> Any:
 def is_sqlite() -> bool:
     """Tell whether the app's database is SQLite."""
     return db.engine.dialect.name == "sqlite"
+
+
+def end_read() -> None:
+    """End a read before a write, where the database needs it.
+
+    SQLite cannot upgrade a read transaction to a write once another
+    connection has committed (SQLITE_BUSY_SNAPSHOT, with no waiting), so the
+    read is ended and the write opens its own transaction. PostgreSQL writes
+    fine after a read, and the extra round trip would be waste.
+    """
+    if is_sqlite():
+        db.session.rollback()

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, delete, or_, select, update
 
-from ..database import insert_ignoring_conflicts
+from ..database import end_read, insert_ignoring_conflicts
 from ..extensions import db
 from ..models import IdempotencyRecord
 
@@ -94,8 +94,7 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
                 _t.c.response_body,
             ).where(_t.c.client == req.client, _t.c.key == req.key)
         ).one_or_none()
-        # End the read transaction, so the write below opens its own.
-        session.rollback()
+        end_read()
         token = secrets.token_hex(16)
         if row is None:
             inserted = session.execute(

@@ -19,7 +19,7 @@ from sqlalchemy import insert, update
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
-from ..database import is_sqlite
+from ..database import end_read, is_sqlite
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..models import Event, EventConflict, EventDuplicate, Rejection, utcnow
@@ -117,7 +117,7 @@ def _store(
     key = identified.dedup_key
     for _ in range(3):
         existing = events.find_by_key(source.name, key)
-        session.rollback()  # end the read: the write below opens its own transaction
+        end_read()
         now = utcnow()
         if existing is None:
             event_id = events.insert_event(
