@@ -74,6 +74,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     from . import retention
 
     retention.init_app(app)
+
+    from . import processing
+
+    processing.init_app(app)
     return app
 
 

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from .database import insert_ignoring_conflicts
 from .extensions import db
 from .models import Event
+from .processing import outbox
 
 _t = Event.__table__
 
@@ -28,10 +29,17 @@ def redact_headers(
 
 
 def insert_event(values: dict[str, Any]) -> int | None:
-    """Insert an event in the current transaction; None if (source, dedup_key) exists."""
-    return db.session.execute(
+    """Insert an event in the current transaction; None if (source, dedup_key) exists.
+
+    A fresh event gets its consumers' delivery rows in the same transaction
+    (the outbox).
+    """
+    event_id = db.session.execute(
         insert_ignoring_conflicts(_t, ["source", "dedup_key"]).values(**values).returning(_t.c.id)
     ).scalar()
+    if event_id is not None:
+        outbox.enqueue(event_id, values["source"], values.get("event_type"), values["received_at"])
+    return event_id
 
 
 def get_event(event_id: int) -> Event | None:

@@ -14,10 +14,13 @@ event (the transactional outbox). States:
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import ColumnElement, and_, insert, or_, select, update
 
 from ..extensions import db
 from ..models import Delivery
@@ -30,6 +33,7 @@ SKIPPED = "skipped"
 STATES = (PENDING, IN_PROGRESS, DELIVERED, DEAD, SKIPPED)
 
 _t = Delivery.__table__
+MAX_ERROR = 2000
 
 
 def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
@@ -56,3 +60,168 @@ def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
         )
     )
     return result.rowcount
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A delivery this worker holds under a lease, until the lease expires."""
+
+    id: int
+    event_id: int
+    consumer: str
+    kind: str
+    attempt: int  # this attempt's number, from 1
+    token: str
+    lease_expires_at: datetime
+
+
+def _claimable(now: datetime) -> ColumnElement[bool]:
+    return or_(
+        and_(_t.c.state == PENDING, _t.c.next_attempt_at <= now),
+        # The holder of an expired lease died (or hung): take it over.
+        and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now),
+    )
+
+
+def enqueue(rows: list[dict[str, Any]], now: datetime) -> None:
+    """Insert pending deliveries in the current (event's) transaction."""
+    if rows:
+        db.session.execute(
+            insert(_t),
+            [
+                {
+                    **row,
+                    "state": PENDING,
+                    "attempts": 0,
+                    "next_attempt_at": now,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                for row in rows
+            ],
+        )
+
+
+def claim_next(now: datetime, lease: timedelta) -> Claim | None:
+    """Claim the most overdue claimable delivery and commit the claim; None if none.
+
+    One conditional UPDATE: on PostgreSQL its subquery locks the row with
+    ``FOR UPDATE SKIP LOCKED``, so concurrent workers pick different rows
+    rather than queueing on one; SQLite runs the statement under its single
+    write lock. Either way one worker gets a row, and its fresh token fences
+    off any worker whose lease on it expired.
+    """
+    token = secrets.token_hex(16)
+    pick = (
+        select(_t.c.id)
+        .where(_claimable(now))
+        .order_by(_t.c.next_attempt_at, _t.c.id)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    row = db.session.execute(
+        update(_t)
+        .where(_t.c.id == pick.scalar_subquery(), _claimable(now))
+        .values(
+            state=IN_PROGRESS,
+            attempts=_t.c.attempts + 1,
+            lease_token=token,
+            lease_expires_at=now + lease,
+            updated_at=now,
+        )
+        .returning(_t.c.id, _t.c.event_id, _t.c.consumer, _t.c.kind, _t.c.attempts)
+    ).one_or_none()
+    db.session.commit()
+    if row is None:
+        return None
+    delivery_id, event_id, consumer, kind, attempts = row
+    return Claim(delivery_id, event_id, consumer, kind, attempts, token, now + lease)
+
+
+def hold(claim: Claim, now: datetime) -> bool:
+    """Lock the claimed row in the current transaction; False if the lease was lost.
+
+    It is the transaction's first statement and a write, so on SQLite the
+    transaction runs under the write lock (waiting on the busy timeout), and
+    on PostgreSQL the row lock makes other workers skip the row until commit.
+    """
+    result = db.session.execute(
+        update(_t)
+        .where(_t.c.id == claim.id, _t.c.lease_token == claim.token)
+        .values(updated_at=now)
+    )
+    return result.rowcount == 1
+
+
+def _finish(
+    claim: Claim, now: datetime, when: ColumnElement[bool] | None = None, **values: Any
+) -> bool:
+    # Fenced by the lease token: a worker whose lease was taken over
+    # changes nothing.
+    condition = and_(_t.c.id == claim.id, _t.c.lease_token == claim.token)
+    if when is not None:
+        condition = and_(condition, when)
+    result = db.session.execute(
+        update(_t)
+        .where(condition)
+        .values(lease_token=None, lease_expires_at=None, updated_at=now, **values)
+    )
+    return result.rowcount == 1
+
+
+def mark_delivered(claim: Claim, now: datetime, status: int | None = None) -> bool:
+    """Mark the delivery done (the caller commits); False if the lease was lost."""
+    return _finish(
+        claim, now, state=DELIVERED, response_status=status, last_error=None, completed_at=now
+    )
+
+
+def mark_retry(
+    claim: Claim, now: datetime, next_attempt_at: datetime, error: str, status: int | None
+) -> bool:
+    """Record a failed attempt and when to try again; False if the lease was lost."""
+    return _finish(
+        claim,
+        now,
+        state=PENDING,
+        next_attempt_at=next_attempt_at,
+        last_error=error[:MAX_ERROR],
+        response_status=status,
+    )
+
+
+def mark_dead(claim: Claim, now: datetime, error: str, status: int | None) -> bool:
+    """Give up on the delivery until an operator requeues it; False if the lease was lost."""
+    return _finish(
+        claim,
+        now,
+        state=DEAD,
+        last_error=error[:MAX_ERROR],
+        response_status=status,
+        completed_at=now,
+    )
+
+
+def mark_skipped(
+    claim: Claim, now: datetime, reason: str, when: ColumnElement[bool] | None = None
+) -> bool:
+    """Mark the delivery skipped (if ``when`` holds); False if not, or if the lease was lost."""
+    return _finish(claim, now, when, state=SKIPPED, last_error=reason, completed_at=now)
+
+
+def needing_attention(now: datetime, stuck_after: timedelta, limit: int = 100) -> list[Delivery]:
+    """Dead deliveries, and those in progress or retrying for longer than ``stuck_after``."""
+    since = now - stuck_after
+    return list(
+        db.session.scalars(
+            select(Delivery)
+            .where(
+                or_(
+                    _t.c.state == DEAD,
+                    and_(_t.c.state.in_([PENDING, IN_PROGRESS]), _t.c.created_at <= since),
+                )
+            )
+            .order_by(_t.c.updated_at.desc(), _t.c.id.desc())
+            .limit(limit)
+        )
+    )

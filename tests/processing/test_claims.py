@@ -1,0 +1,118 @@
+"""Claiming under a lease, fencing by token, takeover after expiry, requeue."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from webhook_receiver.extensions import db
+from webhook_receiver.processing import deliveries
+
+from .conftest import config_with, delivery, forward, store_event
+
+LEASE = timedelta(seconds=10)
+
+
+def _app(make_app):
+    return make_app(config_with([forward("billing", "http://127.0.0.1:9/b")]))
+
+
+def test_claim_takes_the_due_delivery_under_a_lease(make_app, clock):
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        claim = deliveries.claim_next(clock(), LEASE)
+        assert claim is not None
+        assert (claim.event_id, claim.consumer, claim.kind, claim.attempt) == (
+            event_id,
+            "billing",
+            "forward",
+            1,
+        )
+        assert deliveries.claim_next(clock(), LEASE) is None
+    row = delivery(app, event_id, "billing")
+    assert row["state"] == "in_progress"
+    assert row["lease_token"] == claim.token
+    assert row["lease_expires_at"] == clock() + LEASE
+    assert row["attempts"] == 1
+
+
+def test_nothing_is_claimed_before_next_attempt_at(make_app, clock):
+    app = _app(make_app)
+    store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        assert deliveries.claim_next(clock() - timedelta(seconds=1), LEASE) is None
+        assert deliveries.claim_next(clock(), LEASE) is not None
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced_off(make_app, clock):
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        first = deliveries.claim_next(clock(), LEASE)
+        assert deliveries.claim_next(clock() + LEASE - timedelta(seconds=1), LEASE) is None
+        second = deliveries.claim_next(clock() + LEASE, LEASE)
+        assert second is not None
+        assert second.id == first.id
+        assert second.token != first.token
+        assert second.attempt == 2
+        assert deliveries.mark_delivered(first, clock(), 200) is False
+        assert deliveries.mark_delivered(second, clock(), 201) is True
+        db.session.commit()
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["response_status"], row["lease_token"]) == ("delivered", 201, None)
+
+
+def test_claims_go_most_overdue_first(make_app, clock):
+    app = _app(make_app)
+    first = store_event(app, clock, dedup_key="evt-1")
+    clock.advance(1)
+    second = store_event(app, clock, dedup_key="evt-2")
+    with app.app_context():
+        assert deliveries.claim_next(clock(), LEASE).event_id == first
+        assert deliveries.claim_next(clock(), LEASE).event_id == second
+
+
+def test_requeue_puts_a_dead_delivery_back_with_a_whole_budget(make_app, clock):
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        claim = deliveries.claim_next(clock(), LEASE)
+        assert deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
+        db.session.commit()
+        assert deliveries.claim_next(clock(), LEASE) is None
+        clock.advance(60)
+        assert deliveries.requeue([claim.id], clock()) == 1
+        db.session.commit()
+        again = deliveries.claim_next(clock(), LEASE)
+    assert again.id == claim.id
+    assert again.attempt == 1
+    assert delivery(app, event_id, "billing")["state"] == "in_progress"
+
+
+def test_requeue_leaves_delivered_ones_alone(make_app, clock):
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        claim = deliveries.claim_next(clock(), LEASE)
+        deliveries.mark_delivered(claim, clock(), 200)
+        db.session.commit()
+        assert deliveries.requeue([claim.id], clock()) == 0
+        db.session.commit()
+    assert delivery(app, event_id, "billing")["state"] == "delivered"
+
+
+def test_needing_attention_lists_dead_and_long_stuck(make_app, clock):
+    app = _app(make_app)
+    dead_id = store_event(app, clock, dedup_key="evt-1")
+    stuck_id = store_event(app, clock, dedup_key="evt-2")
+    with app.app_context():
+        claim = deliveries.claim_next(clock(), LEASE)
+        deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
+        db.session.commit()
+        clock.advance(3600)
+        fresh_id = store_event(app, clock, dedup_key="evt-3")
+        listed = deliveries.needing_attention(clock(), timedelta(minutes=30))
+        got = sorted((d.event_id, d.state) for d in listed)
+        db.session.rollback()
+    assert got == [(dead_id, "dead"), (stuck_id, "pending")]
+    assert fresh_id not in [e for e, _ in got]

@@ -1,0 +1,298 @@
+"""Forwards to a real loopback downstream: headers, retries, Retry-After, dead letters."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from email.utils import format_datetime
+
+import pytest
+
+from webhook_receiver.extensions import db
+from webhook_receiver.processing import deliveries, registry
+
+from ..servers import free_port
+from .conftest import FAST, Reply, config_with, delivery, drain, forward, store_event
+
+
+def _app(make_app, downstream, *forwards, **overrides):
+    forwards = forwards or (forward("billing", downstream.url + "/billing"),)
+    return make_app(config_with(list(forwards)), **{**FAST, **overrides})
+
+
+def test_forward_sends_the_event_with_its_key_and_correlation_id(
+    make_app, downstream, clock, make_worker
+):
+    app = _app(make_app, downstream)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    event_id = store_event(
+        app,
+        clock,
+        dedup_key="evt-1",
+        body=b'{"type": "order.paid", "data": {"n": 1}}',
+        correlation_id=trace_id,
+    )
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    [call] = downstream.calls_to("/billing")
+    assert call.body == b'{"type": "order.paid", "data": {"n": 1}}'
+    assert call.headers["Content-Type"] == "application/json"
+    assert call.headers["Idempotency-Key"] == "billing:shop:evt-1"
+    assert call.headers["X-Request-Id"] == trace_id
+    assert call.headers["traceparent"].startswith(f"00-{trace_id}-")
+    assert call.headers["X-Webhook-Event-Id"] == str(event_id)
+    assert call.headers["X-Webhook-Event-Type"] == "order.paid"
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"], row["response_status"]) == ("delivered", 1, 200)
+    assert row["completed_at"] == clock()
+    assert row["lease_token"] is None
+
+
+def test_forward_without_correlation_id_sends_a_stable_one(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    event_id = store_event(
+        app, clock, dedup_key="evt-1", body=b"a=1", content_type="application/x-www-form-urlencoded"
+    )
+    drain(app, make_worker(app, clock))
+    [call] = downstream.calls_to("/billing")
+    assert call.headers["X-Request-Id"] == f"event-{event_id}"
+    assert "traceparent" not in call.headers
+    assert call.headers["Content-Type"] == "application/x-www-form-urlencoded"
+    assert call.body == b"a=1"
+
+
+def test_failures_back_off_exponentially_with_the_same_key(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(500), Reply(502), Reply(503)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    start = clock()
+    schedule = []
+    for _ in range(3):
+        assert drain(app, worker) == ["retry"]
+        row = delivery(app, event_id, "billing")
+        schedule.append((row["next_attempt_at"] - clock()).total_seconds())
+        assert drain(app, worker) == []  # not due yet
+        clock.now = row["next_attempt_at"]
+    assert schedule == [1.0, 2.0, 4.0]
+    assert drain(app, worker) == ["delivered"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"], row["last_error"]) == ("delivered", 4, None)
+    assert clock() - start == timedelta(seconds=7)
+    keys = {c.headers["Idempotency-Key"] for c in downstream.calls_to("/billing")}
+    assert len(downstream.calls_to("/billing")) == 4
+    assert keys == {"billing:shop:evt-1"}
+    assert downstream.applied == ["billing:shop:evt-1"]
+
+
+def test_jitter_spreads_the_delay_within_half_to_one_step(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(500)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    drain(app, make_worker(app, clock, rand=lambda: 0.0))
+    row = delivery(app, event_id, "billing")
+    assert row["next_attempt_at"] - clock() == timedelta(seconds=0.5)
+
+
+def test_retry_after_seconds_is_honoured(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(503, {"Retry-After": "7"}, b"busy")]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "billing")
+    assert row["next_attempt_at"] - clock() == timedelta(seconds=7)
+    assert (row["state"], row["response_status"], row["last_error"]) == (
+        "pending",
+        503,
+        "HTTP 503: busy",
+    )
+
+
+def test_retry_after_http_date_is_honoured(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    when = format_datetime(clock() + timedelta(seconds=30), usegmt=True)
+    downstream.replies["/billing"] = [Reply(429, {"Retry-After": when})]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "billing")
+    assert row["next_attempt_at"] - clock() == timedelta(seconds=30)
+    assert row["response_status"] == 429
+
+
+def test_a_short_retry_after_does_not_shorten_the_backoff(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream, WORKER_BACKOFF_BASE_SECONDS=10)
+    downstream.replies["/billing"] = [Reply(503, {"Retry-After": "2"})]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    drain(app, make_worker(app, clock))
+    assert delivery(app, event_id, "billing")["next_attempt_at"] - clock() == timedelta(
+        seconds=10
+    )
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 503])
+def test_transient_statuses_are_retried(make_app, downstream, clock, make_worker, status):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(status)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    assert delivery(app, event_id, "billing")["state"] == "pending"
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 422, 302])
+def test_other_answers_make_the_delivery_dead_at_once(
+    make_app, downstream, clock, make_worker, status
+):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(status, {"Location": "/elsewhere"}, b"no")]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["dead"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"], row["response_status"], row["last_error"]) == (
+        "dead",
+        1,
+        status,
+        f"HTTP {status}: no",
+    )
+    assert len(downstream.calls_to("/billing")) == 1
+    assert downstream.calls_to("/elsewhere") == []
+
+
+def test_connection_refused_is_retried(make_app, downstream, clock, make_worker):
+    url = f"http://127.0.0.1:{free_port()}/nobody"
+    app = _app(make_app, downstream, forward("billing", url))
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "billing")
+    assert row["last_error"].startswith("ConnectionError: ")
+    assert row["response_status"] is None
+
+
+def test_timeout_is_retried(make_app, downstream, clock, make_worker):
+    app = _app(
+        make_app, downstream, forward("billing", downstream.url + "/billing", timeout_seconds=0.2)
+    )
+    downstream.replies["/billing"] = [Reply(200, delay=1.0)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    assert delivery(app, event_id, "billing")["last_error"].startswith("timeout: ")
+
+
+def test_dead_after_the_attempt_limit(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream, WORKER_MAX_ATTEMPTS=3)
+    downstream.replies["/billing"] = [Reply(500, body=b"down")] * 5
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    outcomes = []
+    for _ in range(3):
+        outcomes += drain(app, worker)
+        clock.advance(1000)
+    assert outcomes == ["retry", "retry", "dead"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"], row["last_error"]) == (
+        "dead",
+        3,
+        "out of attempts (3): HTTP 500: down",
+    )
+    assert len(downstream.calls_to("/billing")) == 3
+
+
+def test_a_forward_may_set_its_own_attempt_limit(make_app, downstream, clock, make_worker):
+    app = _app(
+        make_app, downstream, forward("billing", downstream.url + "/billing", max_attempts=1)
+    )
+    downstream.replies["/billing"] = [Reply(500)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["dead"]
+    assert delivery(app, event_id, "billing")["attempts"] == 1
+
+
+def test_requeued_dead_delivery_is_delivered_with_the_same_key(
+    make_app, downstream, clock, make_worker
+):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(410)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    assert drain(app, worker) == ["dead"]
+    row = delivery(app, event_id, "billing")
+    with app.app_context():
+        assert deliveries.requeue([row["id"]], clock()) == 1
+        db.session.commit()
+    assert drain(app, worker) == ["delivered"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"], row["response_status"]) == ("delivered", 1, 200)
+    assert [c.headers["Idempotency-Key"] for c in downstream.calls_to("/billing")] == [
+        "billing:shop:evt-1",
+        "billing:shop:evt-1",
+    ]
+
+
+def test_one_failing_consumer_does_not_hold_back_another(make_app, downstream, clock, make_worker):
+    app = _app(
+        make_app,
+        downstream,
+        forward("flaky", downstream.url + "/flaky"),
+        forward("steady", downstream.url + "/steady"),
+    )
+    downstream.replies["/flaky"] = [Reply(500)] * 10
+    first = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    assert sorted(drain(app, worker)) == ["delivered", "retry"]
+    second = store_event(app, clock, dedup_key="evt-2")
+    assert sorted(drain(app, worker)) == ["delivered", "retry"]
+    assert delivery(app, first, "steady")["state"] == "delivered"
+    assert delivery(app, second, "steady")["state"] == "delivered"
+    assert delivery(app, first, "flaky")["state"] == "pending"
+    assert delivery(app, second, "flaky")["state"] == "pending"
+    assert [c.headers["Idempotency-Key"] for c in downstream.calls_to("/steady")] == [
+        "steady:shop:evt-1",
+        "steady:shop:evt-2",
+    ]
+
+
+def test_a_consumer_removed_from_the_config_goes_dead(make_app, downstream, clock, make_worker):
+    old = _app(make_app, downstream)
+    event_id = store_event(old, clock, dedup_key="evt-1")
+    new = make_app(config_with(), **FAST)
+    assert drain(new, make_worker(new, clock)) == ["dead"]
+    row = delivery(new, event_id, "billing")
+    assert row["last_error"] == "consumer 'billing' is no longer configured"
+    assert downstream.calls == []
+
+
+def test_a_lease_lost_on_the_last_attempt_goes_dead(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream, WORKER_MAX_ATTEMPTS=1)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        # A worker claimed it and died.
+        deliveries.claim_next(clock(), timedelta(seconds=5))
+    clock.advance(5)
+    assert drain(app, make_worker(app, clock)) == ["dead"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"]) == ("dead", 2)
+    assert row["last_error"] == "out of attempts (1); the last one's lease expired"
+
+
+def test_each_attempt_logs_one_line_and_calls_the_outcome_hooks(
+    make_app, downstream, clock, make_worker, caplog
+):
+    app = _app(make_app, downstream)
+    seen = []
+    registry.get(app).outcome_hooks.append(seen.append)
+    downstream.replies["/billing"] = [Reply(500)]
+    event_id = store_event(app, clock, dedup_key="evt-1", correlation_id="corr-1")
+    worker = make_worker(app, clock)
+    with caplog.at_level(logging.INFO, logger="webhook_receiver.processing"):
+        drain(app, worker)
+        clock.advance(10)
+        drain(app, worker)
+    records = [r for r in caplog.records if hasattr(r, "outcome")]
+    assert [(r.outcome, r.attempt) for r in records] == [("retry", 1), ("delivered", 2)]
+    for record in records:
+        assert (record.source, record.consumer, record.dedup_key, record.event_id) == (
+            "shop",
+            "billing",
+            "evt-1",
+            event_id,
+        )
+        assert record.correlation_id == "corr-1"
+    assert [(o.outcome, o.status) for o in seen] == [("retry", 500), ("delivered", 200)]

@@ -1,0 +1,116 @@
+"""Ordering by entity version: stale events are skipped, per consumer."""
+
+from __future__ import annotations
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import EntityVersion
+from webhook_receiver.processing import ordering
+
+from .conftest import FAST, config_with, delivery, drain, forward, store_event
+
+
+def _event(app, clock, key, entity, version, event_type="order.paid"):
+    return store_event(
+        app,
+        clock,
+        dedup_key=key,
+        event_type=event_type,
+        data={"object": {"id": entity, "version": version}},
+    )
+
+
+def test_stale_version_is_skipped_by_a_forward(make_app, downstream, clock, make_worker):
+    app = make_app(
+        config_with([forward("billing", downstream.url + "/billing")], ordered=True), **FAST
+    )
+    worker = make_worker(app, clock)
+    v2 = _event(app, clock, "evt-2", "cus_1", 2)
+    assert drain(app, worker) == ["delivered"]
+    v1 = _event(app, clock, "evt-1", "cus_1", 1)
+    other = _event(app, clock, "evt-x", "cus_2", 1)
+    again = _event(app, clock, "evt-2b", "cus_1", 2)
+    assert drain(app, worker) == ["skipped", "delivered", "delivered"]
+    row = delivery(app, v1, "billing")
+    assert (row["state"], row["last_error"]) == ("skipped", ordering.STALE)
+    assert delivery(app, v2, "billing")["state"] == "delivered"
+    assert delivery(app, other, "billing")["state"] == "delivered"
+    assert delivery(app, again, "billing")["state"] == "delivered"
+    sent = [c.headers["Idempotency-Key"] for c in downstream.calls_to("/billing")]
+    assert sent == ["billing:shop:evt-2", "billing:shop:evt-x", "billing:shop:evt-2b"]
+
+
+def test_stale_version_is_skipped_by_a_handler_without_running_it(
+    make_app, clock, make_worker, ledger
+):
+    app = make_app(config_with(handlers=True, ordered=True), **FAST)
+    ledger(app)
+    worker = make_worker(app, clock)
+    v10 = _event(app, clock, "evt-10", "cus_1", 10, event_type="order.refunded")
+    assert drain(app, worker) == ["delivered"]
+    v9 = _event(app, clock, "evt-9", "cus_1", 9, event_type="order.refunded")
+    assert drain(app, worker) == ["skipped"]
+    assert ledger(app) == [(v10, "audit")]
+    assert delivery(app, v9, "audit")["state"] == "skipped"
+
+
+def test_versions_are_kept_per_consumer(make_app, clock, make_worker, ledger):
+    # "audit" sees every type, "ledger" only order.paid: audit's newer
+    # refund must not make ledger skip a payment it never saw.
+    app = make_app(config_with(handlers=True, ordered=True), **FAST)
+    ledger(app)
+    worker = make_worker(app, clock)
+    refund = _event(app, clock, "evt-5", "cus_1", 5, event_type="order.refunded")
+    assert drain(app, worker) == ["delivered"]
+    paid = _event(app, clock, "evt-4", "cus_1", 4, event_type="order.paid")
+    assert sorted(drain(app, worker)) == ["delivered", "skipped"]
+    assert delivery(app, paid, "ledger")["state"] == "delivered"
+    assert delivery(app, paid, "audit")["state"] == "skipped"
+    assert sorted(ledger(app)) == [(refund, "audit"), (paid, "ledger")]
+    with app.app_context():
+        got = {(v.entity, v.version) for v in db.session.query(EntityVersion)}
+        db.session.rollback()
+    assert got == {("audit:cus_1", ordering.sortable(5)), ("ledger:cus_1", ordering.sortable(4))}
+
+
+def test_a_failed_handler_does_not_advance_the_version(make_app, clock, make_worker, ledger):
+    from . import handlers
+
+    app = make_app(config_with(handlers=True, ordered=True), **FAST)
+    ledger(app)
+    worker = make_worker(app, clock)
+    handlers.failures["audit"] = 1
+    _event(app, clock, "evt-7", "cus_1", 7, event_type="order.refunded")
+    assert drain(app, worker) == ["retry"]
+    v6 = _event(app, clock, "evt-6", "cus_1", 6, event_type="order.refunded")
+    assert drain(app, worker) == ["delivered"]
+    assert delivery(app, v6, "audit")["state"] == "delivered"
+
+
+def test_events_without_version_are_applied(make_app, downstream, clock, make_worker):
+    app = make_app(
+        config_with([forward("billing", downstream.url + "/billing")], ordered=True), **FAST
+    )
+    worker = make_worker(app, clock)
+    _event(app, clock, "evt-2", "cus_1", 2)
+    drain(app, worker)
+    bare = store_event(app, clock, dedup_key="evt-bare", data={"object": {"id": "cus_1"}})
+    assert drain(app, worker) == ["delivered"]
+    assert delivery(app, bare, "billing")["state"] == "delivered"
+
+
+def test_numeric_versions_compare_as_numbers_and_strings_as_strings():
+    assert ordering.sortable(9) < ordering.sortable(10)
+    assert ordering.sortable("9") < ordering.sortable("10")
+    assert ordering.sortable(1.5) < ordering.sortable(2)
+    assert ordering.sortable("2024-01-02T00:00:00Z") > ordering.sortable("2024-01-01T23:59:59Z")
+    assert ordering.sortable(True) is None
+    assert ordering.sortable(-1) is None
+    assert ordering.sortable(None) is None
+
+
+def test_key_for_reads_the_pointers():
+    body = b'{"data": {"object": {"id": "a/b", "version": 3}}}'
+    key = ordering.key_for("billing", body, "/data/object/version", "/data/object/id")
+    assert key == ordering.Key("billing:a/b", ordering.sortable(3))
+    assert ordering.key_for("billing", b"not json", "/v", "/id") is None
+    assert ordering.key_for("billing", b'{"v": 1}', "/v", "/id") is None

@@ -1,0 +1,124 @@
+"""HTTP forwarding: one attempt of sending a stored event to a downstream URL.
+
+The body and content type are the event's own. ``Idempotency-Key`` is
+``<consumer>:<source>:<dedup key>``: the same on every attempt and after a
+requeue, so the downstream can apply each event once however often it gets
+it. ``X-Request-Id`` carries the event's correlation id (and ``traceparent``
+its trace id, when the id is one).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import requests
+
+from ..config import ForwardConfig
+from .backoff import is_retryable_status
+
+USER_AGENT = "webhook-receiver/0.1"
+# Read at most this much of an answer: enough for an error message, and
+# reading it lets the connection be reused.
+MAX_BODY_READ = 64 * 1024
+_TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
+_HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What a forward sends for one event."""
+
+    event_id: int
+    source: str
+    dedup_key: str
+    event_type: str | None
+    content_type: str | None
+    body: bytes
+    correlation_id: str | None
+
+
+@dataclass(frozen=True)
+class Result:
+    """How one HTTP attempt went."""
+
+    ok: bool
+    retryable: bool
+    status: int | None = None
+    retry_after: str | None = None
+    error: str | None = None
+
+
+def idempotency_key(consumer: str, source: str, dedup_key: str) -> str:
+    """The Idempotency-Key sent downstream, stable across attempts and requeues."""
+    key = f"{consumer}:{source}:{dedup_key}"
+    # A header value must be printable ASCII; a dedup key taken from a JSON
+    # body may be anything, so anything else is percent-encoded.
+    return key if _HEADER_SAFE.match(key) else quote(key, safe="")
+
+
+def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
+    """The request headers of a forward."""
+    correlation_id = out.correlation_id or f"event-{out.event_id}"
+    headers = {
+        "Content-Type": out.content_type or "application/octet-stream",
+        "Idempotency-Key": idempotency_key(consumer, out.source, out.dedup_key),
+        "X-Request-Id": correlation_id,
+        "X-Webhook-Source": out.source,
+        "X-Webhook-Event-Id": str(out.event_id),
+        "User-Agent": USER_AGENT,
+    }
+    if out.event_type and _HEADER_SAFE.match(out.event_type):
+        headers["X-Webhook-Event-Type"] = out.event_type
+    if _TRACE_ID.match(correlation_id):
+        headers["traceparent"] = f"00-{correlation_id}-{secrets.token_hex(8)}-01"
+    return headers
+
+
+def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
+    """POST the event to the forward's URL once; never raises for network trouble."""
+    try:
+        response = http.post(
+            forward.url,
+            data=out.body,
+            headers=headers_for(consumer, out),
+            timeout=forward.timeout_seconds,
+            # A redirect would turn the POST into a GET; the URL is wrong.
+            allow_redirects=False,
+            stream=True,
+        )
+    except requests.Timeout as exc:
+        return Result(ok=False, retryable=True, error=f"timeout: {exc}")
+    except requests.RequestException as exc:
+        return Result(ok=False, retryable=True, error=f"{type(exc).__name__}: {exc}")
+    with response:
+        status = response.status_code
+        snippet = _read_some(response)
+        retry_after = response.headers.get("Retry-After")
+    if 200 <= status < 300:
+        return Result(ok=True, retryable=False, status=status)
+    text = snippet.decode("utf-8", "replace").strip()
+    error = f"HTTP {status}" + (f": {text[:500]}" if text else "")
+    return Result(
+        ok=False,
+        retryable=is_retryable_status(status),
+        status=status,
+        retry_after=retry_after,
+        error=error,
+    )
+
+
+def _read_some(response: requests.Response) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in response.iter_content(8192):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= MAX_BODY_READ:
+                break
+    except requests.RequestException:
+        pass  # the status is what counts; the body was only for the error message
+    return b"".join(chunks)[:MAX_BODY_READ]

@@ -1,0 +1,21 @@
+"""The transactional outbox: a new event's deliveries, written in the event's transaction."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from . import deliveries, registry
+
+
+def enqueue(event_id: int, source: str, event_type: str | None, now: datetime) -> int:
+    """Write one pending delivery per consumer of this event; return how many.
+
+    Called by ``events.insert_event`` right after a fresh insert, inside the
+    same transaction: the event and its deliveries commit together or not
+    at all, so no event is stored without its work, nor work without it.
+    """
+    consumers = registry.get().for_event(source, event_type)
+    deliveries.enqueue(
+        [{"event_id": event_id, "consumer": c.name, "kind": c.kind} for c in consumers], now
+    )
+    return len(consumers)

@@ -1,0 +1,415 @@
+"""The worker: claim one delivery at a time, run it, record the outcome.
+
+Handlers (the Inbox pattern): the claim commits; then one transaction locks
+the claimed row by its lease token, runs the handler on the same session and
+marks the delivery done. A failing handler's writes roll back with it and
+the failure is recorded in a transaction of its own.
+
+Forwards (two-phase): the claim commits; the HTTP call runs outside any
+transaction; a fenced update then marks the delivery delivered (or retrying,
+or dead). A worker killed during the call leaves the delivery in progress;
+once its lease expires another worker claims it and calls again with the
+same Idempotency-Key.
+
+SIGTERM and SIGINT let the current delivery finish; then :meth:`Worker.run`
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from types import FrameType
+from typing import Any
+
+import requests
+from flask import Flask
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from ..config import ConfigError
+from ..extensions import db
+from ..models import Event, utcnow
+from . import backoff, deliveries, forwarding, ordering, registry
+from .deliveries import Claim
+from .handlers import PermanentFailure
+from .registry import Consumer
+
+log = logging.getLogger(__name__)
+
+# Outcomes of one attempt.
+DELIVERED = "delivered"
+RETRY = "retry"
+DEAD = "dead"
+SKIPPED = "skipped"
+LEASE_LOST = "lease_lost"
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """What one delivery attempt came to: logged, and handed to the outcome hooks."""
+
+    delivery_id: int
+    event_id: int
+    source: str | None
+    consumer: str
+    kind: str
+    dedup_key: str | None
+    correlation_id: str | None
+    attempt: int
+    outcome: str
+    status: int | None = None
+    error: str | None = None
+    duration_seconds: float = 0.0
+    next_attempt_at: datetime | None = None
+
+    def log_fields(self) -> dict[str, Any]:
+        """The structured fields of this attempt's log line."""
+        return {
+            "delivery_id": self.delivery_id,
+            "event_id": self.event_id,
+            "source": self.source,
+            "consumer": self.consumer,
+            "consumer_kind": self.kind,
+            "dedup_key": self.dedup_key,
+            "correlation_id": self.correlation_id,
+            "attempt": self.attempt,
+            "outcome": self.outcome,
+            "status": self.status,
+            "error": self.error,
+            "duration_ms": round(self.duration_seconds * 1000, 1),
+            "next_attempt_at": self.next_attempt_at.isoformat() if self.next_attempt_at else None,
+        }
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    source: str
+    dedup_key: str
+    event_type: str | None
+    content_type: str | None
+    body: bytes
+    correlation_id: str | None
+
+
+class Worker:
+    """One worker: a loop over claimable deliveries on the app's database."""
+
+    def __init__(
+        self,
+        app: Flask,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        rand: Callable[[], float] = random.random,
+        http: requests.Session | None = None,
+    ) -> None:
+        config = app.config
+        self.app = app
+        self.registry = registry.get(app)
+        self.clock = clock
+        self.rand = rand
+        self.lease = timedelta(seconds=float(config["WORKER_LEASE_SECONDS"]))
+        self.poll_seconds = float(config["WORKER_POLL_SECONDS"])
+        self.max_attempts = int(config["WORKER_MAX_ATTEMPTS"])
+        self.backoff_base = float(config["WORKER_BACKOFF_BASE_SECONDS"])
+        self.backoff_cap = float(config["WORKER_BACKOFF_MAX_SECONDS"])
+        self.retry_after_cap = float(config["WORKER_RETRY_AFTER_MAX_SECONDS"])
+        self.http = http or requests.Session()
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._stop = threading.Event()
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        for forward in self.registry.forwards():
+            # requests applies the timeout to the connect and to each read.
+            if self.lease.total_seconds() <= 2 * forward.timeout_seconds:
+                raise ConfigError(
+                    f"WORKER_LEASE_SECONDS ({self.lease.total_seconds():g}) must exceed twice "
+                    f"forward {forward.name!r}'s timeout_seconds ({forward.timeout_seconds:g}): "
+                    "a lease that expires mid-call lets a second worker call too"
+                )
+
+    # -- the loop -----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to return once the current delivery is done."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """Tell whether a stop was asked for."""
+        return self._stop.is_set()
+
+    def run(self, *, drain: bool = False, handle_signals: bool = True) -> int:
+        """Process deliveries until stopped (or, with ``drain``, until none is due).
+
+        Returns how many deliveries were attempted.
+        """
+        previous = self._install_signals() if handle_signals else {}
+        done = 0
+        pause = self.poll_seconds
+        try:
+            with self.app.app_context():
+                log.info("worker %s started", self.name, extra={"worker": self.name})
+                while not self.stopping:
+                    try:
+                        outcome = self.run_once()
+                        pause = self.poll_seconds
+                    except OperationalError as exc:
+                        # The database is away or locked for long: wait, then retry.
+                        db.session.rollback()
+                        log.warning("worker database error, retrying: %s", exc.orig)
+                        self._stop.wait(pause)
+                        pause = min(pause * 2, 30.0)
+                        continue
+                    if outcome is not None:
+                        done += 1
+                    elif drain:
+                        break
+                    else:
+                        self._stop.wait(self.poll_seconds)
+                log.info("worker %s stopped", self.name, extra={"worker": self.name})
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self.http.close()
+        return done
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("worker %s: signal %s, finishing the current delivery", self.name, signum)
+            self._stop.set()
+
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def run_once(self) -> AttemptOutcome | None:
+        """Claim and process one due delivery; None when none is due. Needs an app context."""
+        claim = deliveries.claim_next(self.clock(), self.lease)
+        if claim is None:
+            return None
+        started = time.monotonic()
+        try:
+            outcome = self.process(claim)
+        except BaseException:
+            db.session.rollback()
+            raise
+        outcome = replace(outcome, duration_seconds=time.monotonic() - started)
+        self.report(outcome)
+        return outcome
+
+    # -- one delivery ---------------------------------------------------------
+
+    def process(self, claim: Claim) -> AttemptOutcome:
+        """Run one claimed delivery to its next state."""
+        event = db.session.execute(
+            select(
+                Event.source,
+                Event.dedup_key,
+                Event.event_type,
+                Event.content_type,
+                Event.body,
+                Event.correlation_id,
+            ).where(Event.id == claim.event_id)
+        ).one()
+        # End the read, so that the next transaction opens with its write.
+        db.session.rollback()
+        snap = _Snapshot(*event)
+        consumer = self.registry.find(snap.source, claim.consumer)
+        limit = self.max_attempts
+        if consumer is not None and consumer.max_attempts is not None:
+            limit = consumer.max_attempts
+        if consumer is None or consumer.kind != claim.kind:
+            return self._give_up(
+                claim, snap, f"consumer {claim.consumer!r} is no longer configured", None
+            )
+        if claim.attempt > limit:
+            # The previous holder's lease expired on the last allowed attempt.
+            return self._give_up(
+                claim, snap, f"out of attempts ({limit}); the last one's lease expired", None
+            )
+        key = self._ordering_key(consumer, snap)
+        if consumer.handler is not None:
+            return self._run_handler(claim, consumer, snap, key, limit)
+        return self._run_forward(claim, consumer, snap, key, limit)
+
+    def _ordering_key(self, consumer: Consumer, snap: _Snapshot) -> ordering.Key | None:
+        rule = self.registry.ordering.get(snap.source)
+        if rule is None:
+            return None
+        return ordering.key_for(consumer.name, snap.body, rule.version, rule.entity)
+
+    def _run_handler(
+        self,
+        claim: Claim,
+        consumer: Consumer,
+        snap: _Snapshot,
+        key: ordering.Key | None,
+        limit: int,
+    ) -> AttemptOutcome:
+        assert consumer.handler is not None
+        session = db.session
+        now = self.clock()
+        try:
+            if not deliveries.hold(claim, now):
+                session.rollback()
+                return self._outcome(claim, snap, LEASE_LOST)
+            if key is not None and not ordering.advance(snap.source, key, claim.event_id, now):
+                deliveries.mark_skipped(claim, now, ordering.STALE)
+                session.commit()
+                return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
+            event = session.get(Event, claim.event_id, populate_existing=True)
+            consumer.handler.func(event, session)
+            if not deliveries.mark_delivered(claim, self.clock()):
+                raise _LeaseLost()
+            session.commit()
+        except _LeaseLost:
+            session.rollback()
+            return self._outcome(claim, snap, LEASE_LOST)
+        except Exception as exc:
+            # The handler's own writes go with the rollback; the failure is
+            # recorded on its own.
+            session.rollback()
+            permanent = isinstance(exc, PermanentFailure)
+            error = f"{type(exc).__name__}: {exc}"
+            log.debug("handler %s failed", consumer.name, exc_info=True)
+            return self._fail(claim, snap, error, None, None, limit, permanent=permanent)
+        return self._outcome(claim, snap, DELIVERED)
+
+    def _run_forward(
+        self,
+        claim: Claim,
+        consumer: Consumer,
+        snap: _Snapshot,
+        key: ordering.Key | None,
+        limit: int,
+    ) -> AttemptOutcome:
+        assert consumer.forward is not None
+        session = db.session
+        if key is not None:
+            skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
+            session.commit()
+            if skipped:
+                return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
+        out = forwarding.Outgoing(
+            event_id=claim.event_id,
+            source=snap.source,
+            dedup_key=snap.dedup_key,
+            event_type=snap.event_type,
+            content_type=snap.content_type,
+            body=snap.body,
+            correlation_id=snap.correlation_id,
+        )
+        result = forwarding.send(self.http, consumer.name, consumer.forward, out)
+        if not result.ok:
+            return self._fail(
+                claim,
+                snap,
+                result.error or "failed",
+                result.status,
+                result.retry_after,
+                limit,
+                permanent=not result.retryable,
+            )
+        now = self.clock()
+        if not deliveries.mark_delivered(claim, now, result.status):
+            session.rollback()
+            return self._outcome(claim, snap, LEASE_LOST, status=result.status)
+        if key is not None:
+            # Already sent, so it is delivered either way; the version only
+            # moves forward.
+            ordering.advance(snap.source, key, claim.event_id, now)
+        session.commit()
+        return self._outcome(claim, snap, DELIVERED, status=result.status)
+
+    def _fail(
+        self,
+        claim: Claim,
+        snap: _Snapshot,
+        error: str,
+        status: int | None,
+        retry_after: str | None,
+        limit: int,
+        *,
+        permanent: bool,
+    ) -> AttemptOutcome:
+        if permanent or claim.attempt >= limit:
+            if not permanent:
+                error = f"out of attempts ({limit}): {error}"
+            return self._give_up(claim, snap, error, status)
+        now = self.clock()
+        delay = backoff.delay_seconds(
+            claim.attempt,
+            base=self.backoff_base,
+            cap=self.backoff_cap,
+            retry_after=backoff.parse_retry_after(retry_after, now),
+            retry_after_cap=self.retry_after_cap,
+            rand=self.rand,
+        )
+        next_at = now + timedelta(seconds=delay)
+        marked = deliveries.mark_retry(claim, now, next_at, error, status)
+        db.session.commit()
+        if not marked:
+            return self._outcome(claim, snap, LEASE_LOST, status=status, error=error)
+        return self._outcome(
+            claim, snap, RETRY, status=status, error=error, next_attempt_at=next_at
+        )
+
+    def _give_up(
+        self, claim: Claim, snap: _Snapshot, error: str, status: int | None
+    ) -> AttemptOutcome:
+        marked = deliveries.mark_dead(claim, self.clock(), error, status)
+        db.session.commit()
+        return self._outcome(
+            claim, snap, DEAD if marked else LEASE_LOST, status=status, error=error
+        )
+
+    def _outcome(
+        self, claim: Claim, snap: _Snapshot, outcome: str, **fields: Any
+    ) -> AttemptOutcome:
+        return AttemptOutcome(
+            delivery_id=claim.id,
+            event_id=claim.event_id,
+            source=snap.source,
+            consumer=claim.consumer,
+            kind=claim.kind,
+            dedup_key=snap.dedup_key,
+            correlation_id=snap.correlation_id,
+            attempt=claim.attempt,
+            outcome=outcome,
+            **fields,
+        )
+
+    # -- observability --------------------------------------------------------
+
+    def report(self, outcome: AttemptOutcome) -> None:
+        """Log the attempt (one line) and hand it to every outcome hook."""
+        level = logging.INFO if outcome.outcome in (DELIVERED, SKIPPED) else logging.WARNING
+        log.log(
+            level,
+            "delivery %s to %s: %s (attempt %s)",
+            outcome.delivery_id,
+            outcome.consumer,
+            outcome.outcome,
+            outcome.attempt,
+            extra={**outcome.log_fields(), "worker": self.name},
+        )
+        for hook in self.registry.outcome_hooks:
+            try:
+                hook(outcome)
+            except Exception:
+                log.exception("delivery outcome hook %r failed", hook)
+
+
+class _LeaseLost(Exception):
+    """The lease was taken over while the handler ran: its writes must not commit."""
