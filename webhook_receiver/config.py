@@ -31,6 +31,13 @@ DEFAULTS: dict[str, Any] = {
     "IDEMPOTENCY_LEASE_SECONDS": 60,
     "IDEMPOTENCY_TTL_SECONDS": 24 * 3600,
     "PURGE_BATCH_SIZE": 1000,
+    # Days events are kept when no [sources.*] table says: API events
+    # (``api:<client>``), and events of a source since removed from the file.
+    "API_RETENTION_DAYS": 30,
+    "DEFAULT_RETENTION_DAYS": 30,
+    # json or text; unset means json, or text when debugging.
+    "LOG_FORMAT": None,
+    "LOG_LEVEL": "INFO",
     "ADMIN_PASSWORD": None,
     "METRICS_TOKEN": None,
     "SESSION_COOKIE_SECURE": False,
