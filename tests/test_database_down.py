@@ -1,0 +1,185 @@
+"""When the database cannot be reached: /readyz and every write answer 503, never 2xx."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import requests
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import Engine, make_url
+
+from webhook_receiver.models import Event
+
+from .conftest import ACME_TOKEN, PG_URL, _migrate, _sa_url, bearer
+from .servers import free_port, gunicorn, wait_until
+
+CONFIG_TOML = f'[clients.acme]\ntoken = "{ACME_TOKEN}"\n'
+EVENT = {"type": "order.created", "data": {"order": 7}}
+
+
+def unreachable_urls(db_url: str, tmp_path) -> list[str]:
+    """URLs of the same kind as ``db_url`` behind which no database answers."""
+    if db_url.startswith("sqlite"):
+        (tmp_path / "a-directory").mkdir()
+        return [
+            f"sqlite:///{tmp_path / 'missing-dir' / 'db.sqlite3'}",
+            f"sqlite:///{tmp_path / 'a-directory'}",
+        ]
+    # Nothing listens on a port that was free a moment ago.
+    return [f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"]
+
+
+@pytest.fixture
+def down_clients(make_app, db_url, tmp_path):
+    """Test clients of apps whose database cannot be reached."""
+    return [
+        make_app(SQLALCHEMY_DATABASE_URI=url).test_client()
+        for url in unreachable_urls(db_url, tmp_path)
+    ]
+
+
+def assert_unavailable(response) -> None:
+    assert response.status_code == 503, response.get_data(as_text=True)
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == "/problems/database-unavailable"
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+def test_readyz_is_503_problem_json_when_the_database_is_unreachable(down_clients):
+    for client in down_clients:
+        assert_unavailable(client.get("/readyz"))
+        # Liveness does not depend on the database.
+        assert client.get("/healthz").status_code == 200
+
+
+def test_post_event_is_503_when_the_database_is_unreachable(down_clients):
+    for client in down_clients:
+        response = client.post(
+            "/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "down-1"}
+        )
+        assert_unavailable(response)
+
+
+def test_get_event_is_503_when_the_database_is_unreachable(down_clients):
+    for client in down_clients:
+        assert_unavailable(client.get("/api/events/1", headers=bearer()))
+
+
+def test_refusals_that_need_no_database_still_come_first(down_clients):
+    # Authentication and the key's syntax are checked before the database.
+    for client in down_clients:
+        assert client.post("/api/events", json=EVENT).status_code == 401
+        response = client.post("/api/events", json=EVENT, headers=bearer())
+        assert response.get_json()["type"] == "/problems/idempotency-key-missing"
+
+
+def test_no_api_or_webhook_write_answers_2xx_when_the_database_is_unreachable(down_clients):
+    for client in down_clients:
+        app = client.application
+        for rule in app.url_map.iter_rules():
+            if "POST" not in rule.methods or not rule.rule.startswith(("/api/", "/webhooks/")):
+                continue
+            adapter = app.url_map.bind("localhost")
+            path = adapter.build(rule.endpoint, dict.fromkeys(rule.arguments, 1), method="POST")
+            response = client.post(
+                path, json=EVENT, headers={**bearer(), "Idempotency-Key": "sweep"}
+            )
+            assert not 200 <= response.status_code < 400, (rule.rule, response.status_code)
+
+
+# -- a real outage under gunicorn ----------------------------------------------
+
+
+@pytest.fixture
+def throwaway_pg() -> Iterator[tuple[str, Engine, str]]:
+    """A migrated PostgreSQL database of this test's own, and an admin engine to cut it off."""
+    if not PG_URL:
+        pytest.skip("TEST_DATABASE_URL is not set")
+    name = f"wr_outage_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(_sa_url(PG_URL), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(_sa_url(PG_URL)).set(database=name).render_as_string(hide_password=False)
+    try:
+        _migrate(url)
+        yield url, admin, name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def cut_off(admin: Engine, name: str) -> None:
+    """Make one database unreachable: refuse new connections and end the open ones."""
+    with admin.connect() as conn:
+        conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+        conn.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": name},
+        )
+
+
+def restore(admin: Engine, name: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+
+
+def test_real_postgresql_outage_under_gunicorn_answers_503_then_recovers(throwaway_pg, tmp_path):
+    url, admin, name = throwaway_pg
+    auth = {"Authorization": f"Bearer {ACME_TOKEN}"}
+
+    def post(key: str) -> requests.Response:
+        return requests.post(
+            server.url + "/api/events",
+            json=EVENT,
+            headers={**auth, "Idempotency-Key": key},
+            timeout=10,
+        )
+
+    with gunicorn(url, CONFIG_TOML, tmp_path, workers=2) as server:
+        before = post("before")
+        assert before.status_code == 201
+        assert requests.get(server.url + "/readyz", timeout=5).status_code == 200
+
+        cut_off(admin, name)
+        try:
+            # Pooled connections were killed under the workers, and new ones
+            # are refused: both must come out as 503, never as a 2xx.
+            for i in range(6):
+                for response in (
+                    post(f"during-{i}"),
+                    post("before"),
+                    requests.get(server.url + "/readyz", timeout=5),
+                    requests.get(server.url + before.headers["Location"], headers=auth, timeout=5),
+                ):
+                    assert response.status_code == 503, response.text
+                    assert response.headers["Content-Type"] == "application/problem+json"
+                    assert response.json()["type"] == "/problems/database-unavailable"
+                    assert response.headers["Retry-After"]
+            assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
+        finally:
+            restore(admin, name)
+
+        assert wait_until(
+            lambda: requests.get(server.url + "/readyz", timeout=5).status_code == 200, timeout=10
+        )
+        # A request refused during the outage left nothing behind: its retry executes.
+        retried = post("during-0")
+        assert retried.status_code == 201
+        assert "Idempotent-Replayed" not in retried.headers
+        replay = post("before")
+        assert replay.status_code == 201
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        assert replay.json() == before.json()
+        log = server.log()
+
+    assert "database unavailable" in log
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(Event.__table__)) == 2
+    engine.dispose()

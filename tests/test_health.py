@@ -1,0 +1,71 @@
+"""Probes, and the problem+json answers for routes and methods that do not exist."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import bearer
+
+
+def test_healthz_answers_while_the_process_runs(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.get_json() == {"status": "ok"}
+
+
+def test_readyz_answers_200_when_the_database_answers(client):
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.get_json() == {"status": "ready"}
+
+
+def test_probes_need_no_credentials_and_take_no_writes(client):
+    assert client.get("/healthz", headers=bearer("wrong-token-0123456789")).status_code == 200
+    for path in ("/healthz", "/readyz"):
+        response = client.post(path)
+        assert response.status_code == 405
+        assert response.mimetype == "application/problem+json"
+
+
+@pytest.mark.parametrize(
+    "path", ["/api/nope", "/api/events/not-a-number", "/api/events/1/extra", "/api/"]
+)
+def test_unknown_api_route_is_404_problem_json(client, path):
+    response = client.get(path, headers=bearer())
+    assert response.status_code == 404
+    assert response.mimetype == "application/problem+json"
+    doc = response.get_json()
+    assert doc["type"] == "/problems/not-found"
+    assert doc["status"] == 404
+    assert doc["title"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("GET", "/api/events", {"POST", "OPTIONS"}),
+        ("PUT", "/api/events", {"POST", "OPTIONS"}),
+        ("DELETE", "/api/events/1", {"GET", "HEAD", "OPTIONS"}),
+        ("PATCH", "/api/events/1", {"GET", "HEAD", "OPTIONS"}),
+    ],
+)
+def test_wrong_method_is_405_problem_json_with_allow(client, method, path, allowed):
+    response = client.open(path, method=method, headers=bearer())
+    assert response.status_code == 405
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == "/problems/method-not-allowed"
+    assert {m.strip() for m in response.headers["Allow"].split(",")} == allowed
+
+
+def test_unknown_route_outside_the_api_is_not_problem_json(client):
+    # The admin pages and the rest speak HTML; only machine surfaces get problem+json.
+    response = client.get("/no-such-page")
+    assert response.status_code == 404
+    assert response.mimetype == "text/html"
+
+
+def test_problem_types_are_described(client):
+    response = client.get("/problems/database-unavailable")
+    assert response.status_code == 200
+    assert response.get_json()["status"] == 503
+    assert client.get("/problems/no-such-problem").status_code == 404
