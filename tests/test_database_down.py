@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
 import requests
 from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 
 from webhook_receiver.models import Event
 
-from .conftest import ACME_TOKEN, PG_URL, _migrate, _sa_url, bearer
+from .conftest import ACME_TOKEN, _migrate, bearer
+from .databases import throwaway_postgresql
 from .servers import free_port, gunicorn, wait_until
 
 CONFIG_TOML = f'[clients.acme]\ntoken = "{ACME_TOKEN}"\n'
@@ -95,20 +95,9 @@ def test_no_api_or_webhook_write_answers_2xx_when_the_database_is_unreachable(do
 @pytest.fixture
 def throwaway_pg() -> Iterator[tuple[str, Engine, str]]:
     """A migrated PostgreSQL database of this test's own, and an admin engine to cut it off."""
-    if not PG_URL:
-        pytest.skip("TEST_DATABASE_URL is not set")
-    name = f"wr_outage_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(_sa_url(PG_URL), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(_sa_url(PG_URL)).set(database=name).render_as_string(hide_password=False)
-    try:
+    with throwaway_postgresql("wr_outage") as (url, admin, name):
         _migrate(url)
         yield url, admin, name
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def cut_off(admin: Engine, name: str) -> None:

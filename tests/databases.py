@@ -1,0 +1,35 @@
+"""Throwaway databases for tests that must own theirs: outages, downgrades."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine, make_url
+
+from .conftest import PG_URL, _sa_url
+
+
+@contextmanager
+def throwaway_postgresql(prefix: str) -> Iterator[tuple[str, Engine, str]]:
+    """Create an empty PostgreSQL database; yield its URL, an admin engine and its name.
+
+    The database lives on the shared test server, and is dropped (with any
+    connections left to it) when the block ends.
+    """
+    if not PG_URL:
+        pytest.skip("TEST_DATABASE_URL is not set")
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(_sa_url(PG_URL), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(_sa_url(PG_URL)).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url, admin, name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
