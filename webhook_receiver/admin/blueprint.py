@@ -1,0 +1,118 @@
+"""The admin blueprint and the checks every admin request passes.
+
+In order: no password configured means no admin at all (404); a
+state-changing request must carry a valid CSRF token (400 otherwise, before
+any view runs); every page but the login form needs a logged-in session.
+Every response carries a strict Content-Security-Policy and is not cached.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flask import (
+    Blueprint,
+    Response,
+    abort,
+    current_app,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
+from flask_wtf.csrf import CSRFError
+from werkzeug.exceptions import HTTPException
+
+from ..extensions import csrf
+from . import auth, presenters
+
+PREFIX = "/admin"
+_STATIC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "static")
+
+bp = Blueprint(
+    "admin",
+    __name__,
+    url_prefix=PREFIX,
+    static_folder=os.path.join(_STATIC, "admin"),
+    static_url_path="/static",
+)
+
+# Scripts are not needed at all: the chart is SVG drawn on the server.
+CONTENT_SECURITY_POLICY = "; ".join(
+    [
+        "default-src 'self'",
+        "script-src 'none'",
+        "object-src 'none'",
+        "style-src 'self'",
+        "img-src 'self'",
+        "base-uri 'none'",
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+    ]
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+_OPEN_ENDPOINTS = frozenset({"admin.login", "admin.static"})
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@bp.before_request
+def guard() -> Response | None:
+    """Hide the admin when it has no password, check CSRF, and require a login."""
+    if not current_app.config.get("ADMIN_PASSWORD"):
+        abort(404)
+    if request.method not in _SAFE_METHODS:
+        # Checked whatever WTF_CSRF_ENABLED says: the admin never runs unprotected.
+        csrf.protect()
+    if request.endpoint in _OPEN_ENDPOINTS or auth.is_logged_in():
+        return None
+    if request.method in _SAFE_METHODS:
+        return redirect(url_for("admin.login", next=request.full_path.rstrip("?")))
+    abort(403)
+
+
+@bp.after_app_request
+def security_headers(response: Response) -> Response:
+    """Add the CSP and its companions to every /admin response, and keep pages out of caches."""
+    # App-wide, so that a 404 for an /admin URL no route matches gets them too.
+    if request.path != PREFIX and not request.path.startswith(PREFIX + "/"):
+        return response
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    if request.endpoint != "admin.static":
+        response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+def _error_page(exc: HTTPException) -> tuple[str, int] | HTTPException:
+    if not current_app.config.get("ADMIN_PASSWORD"):
+        return exc  # the plain 404 of any unknown URL: nothing says there is an admin
+    message = exc.description
+    if isinstance(exc, CSRFError):
+        message = (
+            f"The form could not be accepted: {exc.description} "
+            "Reload the page and try again; nothing was changed."
+        )
+    return render_template("admin/error.html", code=exc.code, name=exc.name, message=message), (
+        exc.code or 500
+    )
+
+
+for _code in (400, 403, 404, 405, 429):
+    bp.register_error_handler(_code, _error_page)
+
+
+@bp.context_processor
+def helpers() -> dict[str, object]:
+    """Formatting helpers and the login state for every admin template."""
+    return {
+        "utc": presenters.utc,
+        "local_input": presenters.local_input,
+        "logged_in": auth.is_logged_in(),
+    }

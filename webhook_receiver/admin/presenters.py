@@ -1,0 +1,308 @@
+"""Turning stored rows into what the templates show: bodies, diffs, the chart, times.
+
+Nothing here builds HTML: it hands plain strings and numbers to Jinja, whose
+autoescaping makes every payload and header value inert.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from ..events import ALWAYS_REDACTED, REDACTED
+from ..fingerprint import JSONError, is_json_type, loads
+
+# Header names that may carry a credential even where the receipt code kept
+# them (GitLab, for one, sends its shared secret as X-Gitlab-Token).
+_SECRET_NAME = re.compile(r"token|secret|password|api[-_]?key|session", re.IGNORECASE)
+# C0 controls other than tab, newline and carriage return, and DEL: a body
+# holding them is shown as bytes.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+HEXDUMP_LIMIT = 4096
+
+
+def redact(headers: Iterable[Sequence[str]] | None) -> list[tuple[str, str]]:
+    """The headers as (name, value), again hiding anything that looks like a credential."""
+    shown = []
+    for pair in headers or []:
+        if len(pair) != 2:
+            continue
+        name, value = str(pair[0]), str(pair[1])
+        if name.lower() in ALWAYS_REDACTED or _SECRET_NAME.search(name):
+            value = REDACTED
+        shown.append((name, value))
+    return shown
+
+
+@dataclass(frozen=True)
+class Body:
+    """A stored body as it will be shown."""
+
+    kind: str  # json | text | binary | empty
+    text: str
+    size: int
+    truncated: bool = False
+
+
+def hexdump(data: bytes, limit: int | None = HEXDUMP_LIMIT) -> list[str]:
+    """Lines of offset, hex bytes and printable ASCII, like ``hexdump -C``."""
+    shown = data if limit is None else data[:limit]
+    lines = []
+    for offset in range(0, len(shown), 16):
+        chunk = shown[offset : offset + 16]
+        hexes = " ".join(f"{b:02x}" for b in chunk)
+        text = "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in chunk)
+        lines.append(f"{offset:08x}  {hexes:<47}  |{text}|")
+    return lines
+
+
+def _as_text(body: bytes) -> str | None:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if _CONTROL.search(text) else text
+
+
+def _as_json(body: bytes, content_type: str | None) -> object | None:
+    if not is_json_type(content_type) and body.lstrip()[:1] not in (b"{", b"["):
+        return None
+    try:
+        return loads(body)
+    except JSONError:
+        return None
+
+
+def show_body(body: bytes | None, content_type: str | None) -> Body:
+    """Pretty-print JSON, show text as it is, and bytes as a hex dump."""
+    body = body or b""
+    if not body:
+        return Body("empty", "", 0)
+    parsed = _as_json(body, content_type)
+    if parsed is not None:
+        return Body("json", json.dumps(parsed, indent=2, ensure_ascii=False), len(body))
+    text = _as_text(body)
+    if text is not None:
+        return Body("text", text, len(body))
+    return Body("binary", "\n".join(hexdump(body)), len(body), len(body) > HEXDUMP_LIMIT)
+
+
+def pretty_json(value: object) -> str:
+    """Indent a JSON value for reading."""
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def diff_lines(body: bytes | None, content_type: str | None) -> list[str]:
+    """A body as lines fit for comparing: JSON with sorted keys, text, or a hex dump."""
+    body = body or b""
+    parsed = _as_json(body, content_type)
+    if parsed is not None:
+        return json.dumps(parsed, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+    text = _as_text(body)
+    if text is not None:
+        return text.splitlines()
+    return hexdump(body, limit=64 * 1024)
+
+
+# -- side-by-side diff -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of characters in a diff line, changed or not."""
+
+    text: str
+    changed: bool = False
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """One row of the side-by-side table: a line on each side (either may be absent)."""
+
+    tag: str  # equal | replace | delete | insert | skip
+    left_no: int | None = None
+    left: tuple[Segment, ...] = ()
+    right_no: int | None = None
+    right: tuple[Segment, ...] = ()
+    skipped: int = 0
+
+
+_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
+
+
+def _intraline(a: str, b: str) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    # Compare words and punctuation rather than characters: "100" against
+    # "250" is one changed number, not a scatter of changed digits.
+    ta, tb = _TOKEN.findall(a), _TOKEN.findall(b)
+    matcher = difflib.SequenceMatcher(None, ta, tb, autojunk=False)
+    left: list[Segment] = []
+    right: list[Segment] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        changed = tag != "equal"
+        if i2 > i1:
+            _append(left, "".join(ta[i1:i2]), changed)
+        if j2 > j1:
+            _append(right, "".join(tb[j1:j2]), changed)
+    return tuple(left), tuple(right)
+
+
+def _append(segments: list[Segment], text: str, changed: bool) -> None:
+    if segments and segments[-1].changed == changed:
+        segments[-1] = Segment(segments[-1].text + text, changed)
+    else:
+        segments.append(Segment(text, changed))
+
+
+def side_by_side(a: list[str], b: list[str], context: int = 3) -> list[DiffRow]:
+    """Compare two line lists; long unchanged runs fold to ``context`` lines each side."""
+    rows: list[DiffRow] = []
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    opcodes = matcher.get_opcodes()
+    for index, (tag, i1, i2, j1, j2) in enumerate(opcodes):
+        if tag == "equal":
+            keep_head = context if index > 0 else 0
+            keep_tail = context if index < len(opcodes) - 1 else 0
+            length = i2 - i1
+            if length > keep_head + keep_tail + 1:
+                for k in range(keep_head):
+                    rows.append(_same(a, i1 + k, j1 + k))
+                rows.append(DiffRow("skip", skipped=length - keep_head - keep_tail))
+                for k in range(length - keep_tail, length):
+                    rows.append(_same(a, i1 + k, j1 + k))
+            else:
+                rows.extend(_same(a, i1 + k, j1 + k) for k in range(length))
+            continue
+        left_lines = range(i1, i2)
+        right_lines = range(j1, j2)
+        for k in range(max(len(left_lines), len(right_lines))):
+            li = left_lines[k] if k < len(left_lines) else None
+            ri = right_lines[k] if k < len(right_lines) else None
+            if li is not None and ri is not None:
+                left, right = _intraline(a[li], b[ri])
+                rows.append(DiffRow("replace", li + 1, left, ri + 1, right))
+            elif li is not None:
+                rows.append(DiffRow("delete", li + 1, (Segment(a[li], True),)))
+            elif ri is not None:
+                rows.append(DiffRow("insert", right_no=ri + 1, right=(Segment(b[ri], True),)))
+    return rows
+
+
+def _same(a: list[str], i: int, j: int) -> DiffRow:
+    return DiffRow("equal", i + 1, (Segment(a[i]),), j + 1, (Segment(a[i]),))
+
+
+# -- the chart ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bar:
+    x: float
+    y: float
+    width: float
+    height: float
+    value: int
+
+
+@dataclass(frozen=True)
+class Column:
+    hour: datetime
+    received: Bar
+    duplicates: Bar
+    label: str = ""
+
+
+@dataclass
+class Chart:
+    """Geometry of the hourly chart, drawn as SVG by the template."""
+
+    width: int
+    height: int
+    top: int
+    baseline: int
+    left: int
+    peak: int
+    columns: list[Column] = field(default_factory=list)
+    ticks: list[tuple[float, int]] = field(default_factory=list)
+
+
+def hours_ending(now: datetime, count: int) -> list[datetime]:
+    """The ``count`` UTC hours up to and including the current one, oldest first."""
+    current = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    return [current - timedelta(hours=count - 1 - i) for i in range(count)]
+
+
+def hourly_chart(
+    hours: list[datetime],
+    received: dict[datetime, int],
+    duplicates: dict[datetime, int],
+    *,
+    width: int = 1160,
+    height: int = 200,
+) -> Chart:
+    """Lay out a pair of bars (received, duplicates) per hour."""
+    left, top, bottom = 44, 12, 28
+    baseline = height - bottom
+    plot_height = baseline - top
+    peak = max([1, *(received.get(h, 0) for h in hours), *(duplicates.get(h, 0) for h in hours)])
+    slot = (width - left - 8) / max(1, len(hours))
+    bar = max(1.0, slot * 0.38)
+    chart = Chart(width, height, top, baseline, left, peak)
+
+    def make(x: float, value: int) -> Bar:
+        h = plot_height * value / peak
+        return Bar(round(x, 1), round(baseline - h, 1), round(bar, 1), round(h, 1), value)
+
+    for i, hour in enumerate(hours):
+        x = left + i * slot + slot * 0.1
+        chart.columns.append(
+            Column(
+                hour,
+                make(x, received.get(hour, 0)),
+                make(x + bar, duplicates.get(hour, 0)),
+                hour.strftime("%H:00") if i % 3 == 0 else "",
+            )
+        )
+    for fraction in (0, 0.5, 1):
+        value = round(peak * fraction)
+        chart.ticks.append((round(baseline - plot_height * value / peak, 1), value))
+    return chart
+
+
+# -- formatting --------------------------------------------------------------
+
+
+def utc(moment: datetime | None) -> str:
+    """Format an aware datetime in UTC to the second, or a dash."""
+    if moment is None:
+        return "—"
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def parse_utc(raw: str) -> datetime | None:
+    """Read a ``datetime-local`` field's value (``YYYY-MM-DDTHH:MM[:SS]``) as UTC."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        moment = datetime.fromisoformat(raw)
+    except ValueError as exc:
+        raise ValueError(f"not a date and time: {raw!r}") from exc
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
+def local_input(moment: datetime | None) -> str:
+    """Format a datetime for a ``datetime-local`` field, in UTC."""
+    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")
+
+
+def delivery_summary(states: dict[str, int]) -> list[tuple[str, int]]:
+    """An event's delivery states, the ones needing attention first."""
+    order = ["dead", "in_progress", "pending", "delivered", "skipped"]
+    known = [(s, states[s]) for s in order if s in states]
+    return known + sorted((s, n) for s, n in states.items() if s not in order)

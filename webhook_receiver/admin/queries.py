@@ -1,0 +1,605 @@
+"""Data access for the admin pages: reads that stay fast on large tables, and the actions.
+
+Lists are paged with a keyset cursor on (timestamp, id), newest first, so a
+page costs the same at row one million as at row one: no OFFSET, and no
+COUNT(*) over a whole table. Writes start their transaction with the write
+(see database.py), so SQLite never has to upgrade a read lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    and_,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    not_,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+
+from ..extensions import db
+from ..models import (
+    AdminLoginFailure,
+    Delivery,
+    Event,
+    EventConflict,
+    EventDuplicate,
+    IdempotencyRecord,
+    Rejection,
+    UTCDateTime,
+)
+from ..processing import deliveries as delivery_states
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+# -- keyset paging -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A position in a list ordered by (at, id): the row just outside the page."""
+
+    at: datetime
+    id: int
+
+    def encode(self) -> str:
+        """Render as ``<microseconds since epoch>.<id>``, exact on every database."""
+        micros = (self.at - EPOCH) // timedelta(microseconds=1)
+        return f"{micros}.{self.id}"
+
+    @classmethod
+    def decode(cls, raw: str) -> Cursor:
+        """Parse what ``encode`` made; ValueError when it is not one."""
+        micros, _, ident = raw.partition(".")
+        if not micros.lstrip("-").isdigit() or not ident.isdigit():
+            raise ValueError(f"not a cursor: {raw!r}")
+        try:
+            at = EPOCH + timedelta(microseconds=int(micros))
+        except OverflowError as exc:
+            raise ValueError(f"cursor out of range: {raw!r}") from exc
+        return cls(at, int(ident))
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of rows, newest first, with the cursors of its neighbours."""
+
+    rows: list[Any]
+    newer: Cursor | None = None
+    older: Cursor | None = None
+
+
+def keyset_page(
+    stmt: Select[Any],
+    at_col: Any,
+    id_col: Any,
+    *,
+    limit: int,
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+    row_key: Any = None,
+) -> Page:
+    """Run ``stmt`` for one page ordered by (at_col, id_col) descending.
+
+    ``before`` asks for the rows older than a cursor, ``after`` for the rows
+    newer than it (read ascending, then turned round). One extra row is read
+    to know whether there is a further page. ``row_key(row)`` gives a row's
+    (at, id); by default the row's attributes named like the columns.
+    """
+    key = tuple_(at_col, id_col)
+
+    def bound(cursor: Cursor) -> Any:
+        return tuple_(literal(cursor.at, UTCDateTime()), literal(cursor.id, id_col.type))
+
+    def position(row: Any) -> Cursor:
+        if row_key is not None:
+            at, ident = row_key(row)
+        else:
+            at, ident = getattr(row, at_col.key), getattr(row, id_col.key)
+        return Cursor(at, ident)
+
+    if after is not None:
+        rows = list(
+            db.session.execute(
+                stmt.where(key > bound(after)).order_by(at_col.asc(), id_col.asc()).limit(limit + 1)
+            ).all()
+        )
+        more = len(rows) > limit
+        rows = rows[:limit][::-1]
+        if not rows:
+            return Page([], None, after)
+        return Page(rows, position(rows[0]) if more else None, position(rows[-1]))
+
+    if before is not None:
+        stmt = stmt.where(key < bound(before))
+    rows = list(
+        db.session.execute(stmt.order_by(at_col.desc(), id_col.desc()).limit(limit + 1)).all()
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    if not rows:
+        return Page([], before, None)
+    newer = position(rows[0]) if before is not None else None
+    return Page(rows, newer, position(rows[-1]) if more else None)
+
+
+# -- overview ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What happened in one window of time."""
+
+    received: int
+    duplicates: int
+    conflicts: int
+    rejections: int
+    delivered: int
+    dead: int
+
+
+def _count(stmt: Select[Any]) -> int:
+    return int(db.session.scalar(stmt) or 0)
+
+
+def counts_since(since: datetime) -> Counts:
+    """Count events, duplicates, conflicts, rejections and finished deliveries since ``since``."""
+    d = Delivery
+    return Counts(
+        received=_count(select(func.count()).where(Event.received_at >= since)),
+        duplicates=_count(select(func.count()).where(EventDuplicate.received_at >= since)),
+        conflicts=_count(select(func.count()).where(EventConflict.received_at >= since)),
+        rejections=_count(select(func.count()).where(Rejection.received_at >= since)),
+        delivered=_count(
+            select(func.count()).where(
+                d.state == delivery_states.DELIVERED, d.completed_at >= since
+            )
+        ),
+        dead=_count(
+            select(func.count()).where(d.state == delivery_states.DEAD, d.updated_at >= since)
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits for someone now."""
+
+    pending: int
+    dead: int
+    unreviewed_conflicts: int
+
+
+def backlog() -> Backlog:
+    """Count deliveries waiting or dead, and conflicts nobody has reviewed."""
+    d = Delivery
+    return Backlog(
+        pending=_count(
+            select(func.count()).where(
+                d.state.in_([delivery_states.PENDING, delivery_states.IN_PROGRESS])
+            )
+        ),
+        dead=_count(select(func.count()).where(d.state == delivery_states.DEAD)),
+        unreviewed_conflicts=_count(
+            select(func.count()).where(EventConflict.reviewed_at.is_(None))
+        ),
+    )
+
+
+def _hour_of(column: Any) -> Any:
+    # Both databases store naive UTC; each has its own way to cut to the hour.
+    if db.engine.dialect.name == "sqlite":
+        return func.strftime("%Y-%m-%d %H", column)
+    return func.to_char(func.date_trunc("hour", column), "YYYY-MM-DD HH24")
+
+
+def hourly(column: Any, since: datetime) -> dict[datetime, int]:
+    """Count rows per UTC hour of ``column`` from ``since``, in the database."""
+    bucket = _hour_of(column).label("bucket")
+    rows = db.session.execute(
+        select(bucket, func.count()).where(column >= since).group_by(bucket)
+    ).all()
+    return {
+        datetime.strptime(label, "%Y-%m-%d %H").replace(tzinfo=UTC): int(n) for label, n in rows
+    }
+
+
+def hourly_received(since: datetime) -> dict[datetime, int]:
+    """Events first received per hour."""
+    return hourly(Event.received_at, since)
+
+
+def hourly_duplicates(since: datetime) -> dict[datetime, int]:
+    """Duplicate deliveries per hour."""
+    return hourly(EventDuplicate.received_at, since)
+
+
+# -- events ------------------------------------------------------------------
+
+# State filters of the event list: what an operator looks for.
+EVENT_STATES = {
+    "pending": "a delivery pending or in progress",
+    "retrying": "a delivery failed and waiting to retry",
+    "dead": "a dead delivery",
+    "delivered": "every delivery done",
+    "none": "no deliveries",
+    "duplicated": "duplicate deliveries received",
+    "conflicted": "a conflicting delivery received",
+}
+
+
+@dataclass(frozen=True)
+class EventFilters:
+    """The event list's filters; empty ones do not filter."""
+
+    source: str = ""
+    event_type: str = ""
+    state: str = ""
+    since: datetime | None = None
+    until: datetime | None = None
+    q: str = ""
+
+    def active(self) -> bool:
+        return any([self.source, self.event_type, self.state, self.since, self.until, self.q])
+
+
+def _delivery_ids_where(*conditions: ColumnElement[bool]) -> Any:
+    return select(Delivery.event_id).where(*conditions)
+
+
+def _state_condition(state: str) -> ColumnElement[bool] | None:
+    d = Delivery
+    if state == "pending":
+        return Event.id.in_(
+            _delivery_ids_where(d.state.in_([delivery_states.PENDING, delivery_states.IN_PROGRESS]))
+        )
+    if state == "retrying":
+        return Event.id.in_(_delivery_ids_where(d.state == delivery_states.PENDING, d.attempts > 0))
+    if state == "dead":
+        return Event.id.in_(_delivery_ids_where(d.state == delivery_states.DEAD))
+    if state == "delivered":
+        done = [delivery_states.DELIVERED, delivery_states.SKIPPED]
+        return and_(
+            exists().where(d.event_id == Event.id),
+            not_(exists().where(d.event_id == Event.id, d.state.not_in(done))),
+        )
+    if state == "none":
+        return not_(exists().where(d.event_id == Event.id))
+    if state == "duplicated":
+        return Event.duplicate_count > 0
+    if state == "conflicted":
+        return Event.id.in_(select(EventConflict.event_id))
+    return None
+
+
+def list_events(
+    filters: EventFilters,
+    *,
+    limit: int,
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+) -> Page:
+    """One page of events matching ``filters``, newest first."""
+    stmt = select(
+        Event.id,
+        Event.received_at,
+        Event.source,
+        Event.event_type,
+        Event.dedup_key,
+        Event.duplicate_count,
+    )
+    if filters.source:
+        stmt = stmt.where(Event.source == filters.source)
+    if filters.event_type:
+        stmt = stmt.where(Event.event_type == filters.event_type)
+    if filters.since is not None:
+        stmt = stmt.where(Event.received_at >= filters.since)
+    if filters.until is not None:
+        stmt = stmt.where(Event.received_at < filters.until)
+    if filters.q:
+        matches = [Event.dedup_key == filters.q]
+        if filters.q.isdigit() and int(filters.q) < 2**63:
+            matches.append(Event.id == int(filters.q))
+        stmt = stmt.where(or_(*matches))
+    condition = _state_condition(filters.state)
+    if condition is not None:
+        stmt = stmt.where(condition)
+    return keyset_page(stmt, Event.received_at, Event.id, limit=limit, before=before, after=after)
+
+
+def delivery_states_of(event_ids: Sequence[int]) -> dict[int, dict[str, int]]:
+    """For each event, how many of its deliveries are in each state."""
+    if not event_ids:
+        return {}
+    rows = db.session.execute(
+        select(Delivery.event_id, Delivery.state, func.count())
+        .where(Delivery.event_id.in_(list(event_ids)))
+        .group_by(Delivery.event_id, Delivery.state)
+    ).all()
+    states: dict[int, dict[str, int]] = {}
+    for event_id, state, n in rows:
+        states.setdefault(event_id, {})[state] = int(n)
+    return states
+
+
+@dataclass
+class EventDetail:
+    """One event with what happened to it."""
+
+    event: Event
+    duplicates: list[Any] = field(default_factory=list)
+    conflicts: list[Any] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+
+
+DUPLICATES_SHOWN = 200
+
+
+def event_detail(event_id: int) -> EventDetail | None:
+    """Load an event, its newest duplicates, its conflicts and its deliveries."""
+    event = db.session.get(Event, event_id)
+    if event is None:
+        return None
+    duplicates = db.session.execute(
+        select(EventDuplicate.id, EventDuplicate.received_at)
+        .where(EventDuplicate.event_id == event_id)
+        .order_by(EventDuplicate.received_at.desc(), EventDuplicate.id.desc())
+        .limit(DUPLICATES_SHOWN)
+    ).all()
+    conflicts = db.session.execute(
+        select(
+            EventConflict.id,
+            EventConflict.received_at,
+            EventConflict.last_seen_at,
+            EventConflict.seen_count,
+            EventConflict.reviewed_at,
+        )
+        .where(EventConflict.event_id == event_id)
+        .order_by(EventConflict.received_at.desc(), EventConflict.id.desc())
+    ).all()
+    deliveries = list(
+        db.session.scalars(
+            select(Delivery).where(Delivery.event_id == event_id).order_by(Delivery.consumer)
+        )
+    )
+    return EventDetail(event, list(duplicates), list(conflicts), deliveries)
+
+
+def can_requeue(delivery: Any, now: datetime) -> bool:
+    """Tell whether an operator may requeue this delivery: dead, failed, or stuck."""
+    if delivery.state == delivery_states.DEAD:
+        return True
+    if delivery.state == delivery_states.PENDING:
+        # Failed at least once and waiting out its backoff. A requeued one
+        # starts again from zero attempts, so it is not offered twice.
+        return delivery.attempts > 0
+    if delivery.state == delivery_states.IN_PROGRESS:
+        # A live lease belongs to a working worker; only an abandoned one is stuck.
+        return delivery.lease_expires_at is None or delivery.lease_expires_at <= now
+    return False
+
+
+def requeueable(delivery_ids: Sequence[int], now: datetime) -> list[int]:
+    """Those of ``delivery_ids`` an operator may requeue; ends the read transaction.
+
+    The caller then requeues them in a transaction of its own, which on
+    SQLite has to start with the write.
+    """
+    ids = [int(i) for i in delivery_ids]
+    if not ids:
+        return []
+    try:
+        rows = db.session.execute(
+            select(Delivery.id, Delivery.state, Delivery.attempts, Delivery.lease_expires_at).where(
+                Delivery.id.in_(ids)
+            )
+        ).all()
+    finally:
+        db.session.rollback()
+    return [row.id for row in rows if can_requeue(row, now)]
+
+
+# -- dead letters ------------------------------------------------------------
+
+
+def list_dead(
+    *,
+    limit: int,
+    consumer: str = "",
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+) -> Page:
+    """One page of dead deliveries, most recently died first, with their events."""
+    stmt = (
+        select(
+            Delivery.id,
+            Delivery.updated_at,
+            Delivery.consumer,
+            Delivery.kind,
+            Delivery.attempts,
+            Delivery.last_error,
+            Delivery.response_status,
+            Delivery.event_id,
+            Event.source,
+            Event.event_type,
+            Event.dedup_key,
+        )
+        .join(Event, Event.id == Delivery.event_id)
+        .where(Delivery.state == delivery_states.DEAD)
+    )
+    if consumer:
+        stmt = stmt.where(Delivery.consumer == consumer)
+    return keyset_page(
+        stmt, Delivery.updated_at, Delivery.id, limit=limit, before=before, after=after
+    )
+
+
+# -- conflicts ---------------------------------------------------------------
+
+CONFLICT_VIEWS = ("unreviewed", "reviewed", "all")
+
+
+def list_conflicts(
+    *,
+    limit: int,
+    view: str = "unreviewed",
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+) -> Page:
+    """One page of conflicting deliveries, newest first."""
+    stmt = select(
+        EventConflict.id,
+        EventConflict.received_at,
+        EventConflict.event_id,
+        EventConflict.source,
+        EventConflict.dedup_key,
+        EventConflict.seen_count,
+        EventConflict.last_seen_at,
+        EventConflict.reviewed_at,
+        EventConflict.review_note,
+    )
+    if view == "unreviewed":
+        stmt = stmt.where(EventConflict.reviewed_at.is_(None))
+    elif view == "reviewed":
+        stmt = stmt.where(EventConflict.reviewed_at.is_not(None))
+    return keyset_page(
+        stmt,
+        EventConflict.received_at,
+        EventConflict.id,
+        limit=limit,
+        before=before,
+        after=after,
+    )
+
+
+def conflict_with_event(conflict_id: int) -> tuple[EventConflict, Event] | None:
+    """Load a conflict and the event whose dedup key it reused."""
+    conflict = db.session.get(EventConflict, conflict_id)
+    if conflict is None:
+        return None
+    event = db.session.get(Event, conflict.event_id)
+    if event is None:  # pragma: no cover - the foreign key cascades
+        return None
+    return conflict, event
+
+
+def review_conflict(conflict_id: int, note: str, now: datetime) -> bool:
+    """Mark a conflict reviewed with a note; False when there is no such conflict.
+
+    The caller commits.
+    """
+    result = db.session.execute(
+        update(EventConflict)
+        .where(EventConflict.id == conflict_id)
+        .values(reviewed_at=now, review_note=note or None)
+    )
+    return bool(result.rowcount == 1)
+
+
+# -- idempotency keys --------------------------------------------------------
+
+KEY_STATES = ("in_progress", "completed", "expired")
+
+
+def list_idempotency_records(
+    *,
+    limit: int,
+    now: datetime,
+    client: str = "",
+    state: str = "",
+    key: str = "",
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+) -> Page:
+    """One page of Idempotency-Key records, latest expiry (so newest) first."""
+    r = IdempotencyRecord
+    stmt = select(
+        r.id,
+        r.client,
+        r.key,
+        r.state,
+        r.method,
+        r.path,
+        r.created_at,
+        r.expires_at,
+        r.lease_expires_at,
+        r.completed_at,
+        r.response_status,
+    )
+    if client:
+        stmt = stmt.where(r.client == client)
+    if key:
+        stmt = stmt.where(r.key == key)
+    if state == "expired":
+        stmt = stmt.where(r.expires_at <= now)
+    elif state in ("in_progress", "completed"):
+        stmt = stmt.where(r.state == state, r.expires_at > now)
+    return keyset_page(stmt, r.expires_at, r.id, limit=limit, before=before, after=after)
+
+
+# -- rejections --------------------------------------------------------------
+
+
+def list_rejections(
+    *,
+    limit: int,
+    source: str = "",
+    before: Cursor | None = None,
+    after: Cursor | None = None,
+) -> Page:
+    """One page of refused deliveries, newest first."""
+    stmt = select(
+        Rejection.id,
+        Rejection.received_at,
+        Rejection.source,
+        Rejection.reason,
+        Rejection.detail,
+        Rejection.remote_addr,
+    )
+    if source:
+        stmt = stmt.where(Rejection.source == source)
+    return keyset_page(
+        stmt, Rejection.received_at, Rejection.id, limit=limit, before=before, after=after
+    )
+
+
+# -- login throttling --------------------------------------------------------
+
+
+def recent_login_failures(remote_addr: str, since: datetime) -> int:
+    """Count this address's failed logins since ``since``, and end the read."""
+    try:
+        return _count(
+            select(func.count()).where(
+                AdminLoginFailure.remote_addr == remote_addr, AdminLoginFailure.at >= since
+            )
+        )
+    finally:
+        db.session.rollback()
+
+
+def record_login_failure(remote_addr: str, now: datetime, keep_since: datetime) -> None:
+    """Record a failed login, pruning the ones too old to matter; the caller commits."""
+    # The delete comes first so that on SQLite the transaction opens with a write.
+    db.session.execute(delete(AdminLoginFailure).where(AdminLoginFailure.at < keep_since))
+    db.session.execute(insert(AdminLoginFailure).values(remote_addr=remote_addr, at=now))
+
+
+def clear_login_failures(remote_addr: str) -> None:
+    """Forget an address's failures after it logged in; the caller commits."""
+    db.session.execute(
+        delete(AdminLoginFailure).where(AdminLoginFailure.remote_addr == remote_addr)
+    )

@@ -1,0 +1,357 @@
+"""Admin views: log in and out, look at what arrived, and set stuck things going again."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from flask import (
+    Response,
+    abort,
+    current_app,
+    flash,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
+
+from ..config import FileConfig
+from ..database import unit_of_work
+from ..idempotency import records
+from ..models import utcnow
+from ..processing import deliveries
+from . import auth, presenters, queries
+from .blueprint import bp
+
+DEFAULT_PAGE_SIZE = 50
+REVIEW_NOTE_MAX = 2000
+
+
+def _page_size() -> int:
+    size = int(current_app.config.get("ADMIN_PAGE_SIZE", DEFAULT_PAGE_SIZE))
+    return max(1, min(size, 500))
+
+
+def _cursors() -> dict[str, queries.Cursor | None]:
+    found: dict[str, queries.Cursor | None] = {"before": None, "after": None}
+    for name in found:
+        raw = request.args.get(name)
+        if raw:
+            try:
+                found[name] = queries.Cursor.decode(raw)
+            except ValueError:
+                abort(400, "That page link is not valid; start again from the first page.")
+    return found
+
+
+def _pager(page: queries.Page) -> dict[str, str | None]:
+    """Links to the newer and older pages, keeping the current filters."""
+    args = {k: v for k, v in request.args.items() if k not in ("before", "after") and v}
+    endpoint = request.endpoint or "admin.overview"
+    return {
+        "newer": url_for(endpoint, **request.view_args or {}, **args, after=page.newer.encode())
+        if page.newer
+        else None,
+        "older": url_for(endpoint, **request.view_args or {}, **args, before=page.older.encode())
+        if page.older
+        else None,
+        "first": url_for(endpoint, **request.view_args or {}, **args),
+    }
+
+
+def _file_config() -> FileConfig:
+    return current_app.config["FILE_CONFIG"]
+
+
+def _sources() -> list[str]:
+    config = _file_config()
+    return sorted(config.sources) + [f"api:{name}" for name in sorted(config.clients)]
+
+
+# -- session -----------------------------------------------------------------
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login() -> Any:
+    """Show the login form, or check the password and open a session."""
+    target = auth.safe_next(request.values.get("next"))
+    if request.method == "GET":
+        if auth.is_logged_in():
+            return redirect(target or url_for("admin.overview"))
+        return render_template("admin/login.html", next=target)
+    now = utcnow()
+    if auth.is_throttled(now):
+        wait = auth.retry_after()
+        body = render_template(
+            "admin/login.html",
+            next=target,
+            error=f"Too many failed logins from your address. Try again in {wait // 60} minutes.",
+        )
+        return body, 429, {"Retry-After": str(wait)}
+    if not auth.password_matches(request.form.get("password", "")):
+        auth.note_failure(now)
+        return render_template("admin/login.html", next=target, error="Wrong password.")
+    auth.forget_failures()
+    auth.log_in()
+    return redirect(target or url_for("admin.overview"))
+
+
+@bp.post("/logout")
+def logout() -> Response:
+    """End the session."""
+    auth.log_out()
+    flash("You are logged out.")
+    return redirect(url_for("admin.login"))
+
+
+# -- overview ----------------------------------------------------------------
+
+
+@bp.get("/")
+def overview() -> str:
+    """Show the counts of the last day and week, and the hourly chart."""
+    now = utcnow()
+    hours = presenters.hours_ending(now, 24)
+    chart = presenters.hourly_chart(
+        hours, queries.hourly_received(hours[0]), queries.hourly_duplicates(hours[0])
+    )
+    windows = [
+        ("Last 24 hours", queries.counts_since(now - timedelta(hours=24))),
+        ("Last 7 days", queries.counts_since(now - timedelta(days=7))),
+    ]
+    return render_template(
+        "admin/overview.html",
+        windows=windows,
+        backlog=queries.backlog(),
+        chart=chart,
+        now=now,
+    )
+
+
+# -- events ------------------------------------------------------------------
+
+
+def _event_filters() -> tuple[queries.EventFilters, list[str]]:
+    args = request.args
+    errors = []
+    times = {}
+    for name in ("since", "until"):
+        try:
+            times[name] = presenters.parse_utc(args.get(name, ""))
+        except ValueError:
+            errors.append(f"“{args.get(name)}” is not a date and time (use YYYY-MM-DDTHH:MM, UTC).")
+            times[name] = None
+    state = args.get("state", "")
+    if state and state not in queries.EVENT_STATES:
+        errors.append(f"Unknown state “{state}”.")
+        state = ""
+    filters = queries.EventFilters(
+        source=args.get("source", "").strip(),
+        event_type=args.get("type", "").strip(),
+        state=state,
+        since=times["since"],
+        until=times["until"],
+        q=args.get("q", "").strip(),
+    )
+    return filters, errors
+
+
+@bp.get("/events")
+def events() -> str:
+    """List events, newest first, filtered and paged by keyset."""
+    filters, errors = _event_filters()
+    if errors:
+        page = queries.Page([])
+    else:
+        page = queries.list_events(filters, limit=_page_size(), **_cursors())
+    states = queries.delivery_states_of([row.id for row in page.rows])
+    return render_template(
+        "admin/events.html",
+        page=page,
+        pager=_pager(page),
+        filters=filters,
+        errors=errors,
+        states={k: presenters.delivery_summary(v) for k, v in states.items()},
+        state_choices=queries.EVENT_STATES,
+        sources=_sources(),
+    )
+
+
+@bp.get("/events/<int:event_id>")
+def event(event_id: int) -> str:
+    """Show one event: headers, body, duplicates, conflicts and deliveries."""
+    detail = queries.event_detail(event_id)
+    if detail is None:
+        abort(404, "No such event.")
+    now = utcnow()
+    ev = detail.event
+    return render_template(
+        "admin/event.html",
+        detail=detail,
+        event=ev,
+        headers=presenters.redact(ev.headers),
+        body=presenters.show_body(ev.body, ev.content_type),
+        meta=presenters.pretty_json(ev.meta) if ev.meta else "",
+        requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
+        duplicates_shown=queries.DUPLICATES_SHOWN,
+    )
+
+
+@bp.post("/deliveries/requeue")
+def requeue() -> Response:
+    """Requeue the chosen dead, failed or stuck deliveries."""
+    raw_ids = request.form.getlist("ids")
+    # The dead-letter page's "requeue all on this page" button carries its ids.
+    if request.form.get("page_ids"):
+        raw_ids = request.form["page_ids"].split(",")
+    try:
+        ids = sorted({int(raw) for raw in raw_ids if raw.strip()})
+    except ValueError:
+        abort(400, "Delivery ids must be numbers.")
+    target = auth.safe_next(request.form.get("next")) or url_for("admin.dead")
+    if not ids:
+        flash("Nothing was selected.", "warning")
+        return redirect(target)
+    now = utcnow()
+    allowed = queries.requeueable(ids, now)
+    count = 0
+    if allowed:
+        with unit_of_work():
+            count = deliveries.requeue(allowed, now)
+    message = f"Requeued {count} {'delivery' if count == 1 else 'deliveries'}."
+    if count < len(ids):
+        message += f" {len(ids) - count} could not be requeued (delivered, skipped or in progress)."
+    flash(message, "success" if count else "warning")
+    return redirect(target)
+
+
+# -- dead letters ------------------------------------------------------------
+
+
+@bp.get("/dead")
+def dead() -> str:
+    """List dead deliveries, to requeue one or many."""
+    consumer = request.args.get("consumer", "").strip()
+    page = queries.list_dead(limit=_page_size(), consumer=consumer, **_cursors())
+    return render_template(
+        "admin/dead.html",
+        page=page,
+        pager=_pager(page),
+        consumer=consumer,
+        page_ids=",".join(str(row.id) for row in page.rows),
+    )
+
+
+# -- conflicts ---------------------------------------------------------------
+
+
+@bp.get("/conflicts")
+def conflicts() -> str:
+    """List deliveries that reused a dedup key with different content."""
+    view = request.args.get("view", "unreviewed")
+    if view not in queries.CONFLICT_VIEWS:
+        view = "unreviewed"
+    page = queries.list_conflicts(limit=_page_size(), view=view, **_cursors())
+    return render_template(
+        "admin/conflicts.html",
+        page=page,
+        pager=_pager(page),
+        view=view,
+        views=queries.CONFLICT_VIEWS,
+    )
+
+
+@bp.get("/conflicts/<int:conflict_id>")
+def conflict(conflict_id: int) -> str:
+    """Show the original and the conflicting payload side by side."""
+    found = queries.conflict_with_event(conflict_id)
+    if found is None:
+        abort(404, "No such conflict.")
+    item, original = found
+    rows = presenters.side_by_side(
+        presenters.diff_lines(original.body, original.content_type),
+        presenters.diff_lines(item.body, item.content_type),
+    )
+    header_rows = presenters.side_by_side(
+        [f"{n}: {v}" for n, v in presenters.redact(original.headers)],
+        [f"{n}: {v}" for n, v in presenters.redact(item.headers)],
+        context=1000,
+    )
+    return render_template(
+        "admin/conflict.html",
+        conflict=item,
+        original=original,
+        rows=rows,
+        header_rows=header_rows,
+        note_max=REVIEW_NOTE_MAX,
+    )
+
+
+@bp.post("/conflicts/<int:conflict_id>/review")
+def review(conflict_id: int) -> Response:
+    """Mark a conflict reviewed, with the operator's note."""
+    note = request.form.get("note", "").strip()
+    if len(note) > REVIEW_NOTE_MAX:
+        abort(400, f"The note is longer than {REVIEW_NOTE_MAX} characters.")
+    with unit_of_work():
+        found = queries.review_conflict(conflict_id, note, utcnow())
+    if not found:
+        abort(404, "No such conflict.")
+    flash("Marked as reviewed.", "success")
+    return redirect(url_for("admin.conflict", conflict_id=conflict_id))
+
+
+# -- idempotency keys --------------------------------------------------------
+
+
+@bp.get("/idempotency")
+def idempotency() -> str:
+    """List Idempotency-Key records per client, with their state and expiry."""
+    client = request.args.get("client", "").strip()
+    state = request.args.get("state", "")
+    if state not in queries.KEY_STATES:
+        state = ""
+    key = request.args.get("key", "").strip()
+    now = utcnow()
+    page = queries.list_idempotency_records(
+        limit=_page_size(), now=now, client=client, state=state, key=key, **_cursors()
+    )
+    return render_template(
+        "admin/idempotency.html",
+        page=page,
+        pager=_pager(page),
+        client=client,
+        state=state,
+        key=key,
+        now=now,
+        clients=sorted(_file_config().clients),
+        key_states=queries.KEY_STATES,
+    )
+
+
+@bp.post("/idempotency/<int:record_id>/evict")
+def evict(record_id: int) -> Response:
+    """Delete one Idempotency-Key record, so that the key may be used afresh."""
+    if records.evict(record_id):
+        flash("Evicted the key: its next request runs afresh.", "success")
+    else:
+        flash("That key was already gone.", "warning")
+    return redirect(auth.safe_next(request.form.get("next")) or url_for("admin.idempotency"))
+
+
+# -- rejections --------------------------------------------------------------
+
+
+@bp.get("/rejections")
+def rejections() -> str:
+    """List deliveries refused for a bad signature or a stale timestamp."""
+    source = request.args.get("source", "").strip()
+    page = queries.list_rejections(limit=_page_size(), source=source, **_cursors())
+    return render_template(
+        "admin/rejections.html",
+        page=page,
+        pager=_pager(page),
+        source=source,
+        sources=_sources(),
+    )
