@@ -63,6 +63,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     problems.init_app(app)
     correlation.init_app(app)
 
+    from .admin import bp as admin_bp
     from .api import bp as api_bp
     from .health import bp as health_bp
     from .webhooks.views import bp as webhooks_bp
@@ -70,6 +71,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(health_bp)
     app.register_blueprint(api_bp)
     app.register_blueprint(webhooks_bp)
+    app.register_blueprint(admin_bp)
 
     from . import retention
 
