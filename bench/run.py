@@ -1,0 +1,361 @@
+"""The benchmark harness: fresh databases, gunicorn, wrk, and the results table.
+
+Each scenario of ``bench.scenarios.SCENARIOS`` runs on each database: a
+gunicorn with the same options serves the scenario's app, the scenario
+prepares its requests against the live server, and wrk loads it for a fixed
+time after a short warm-up. Nothing here knows what a scenario sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import requests
+
+from .scenarios import RUN_ID, SCENARIOS, Context, Load
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LUA = Path(__file__).resolve().parent / "lua"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+WRK_MISSING = (
+    "wrk is not installed. On Debian or Ubuntu: sudo apt-get install -y wrk "
+    "(then run `make bench` again)."
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    duration: float
+    warmup: float
+    workers: int
+    connections: int
+    threads: int
+
+
+@dataclass(frozen=True)
+class Result:
+    scenario: str
+    db: str
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+# -- databases -----------------------------------------------------------------
+
+
+@contextmanager
+def sqlite_database(workdir: Path) -> Iterator[str]:
+    """A fresh SQLite file on disk (not tmpfs: commits must really reach the disk)."""
+    yield f"sqlite:///{workdir / 'bench.sqlite3'}"
+
+
+@contextmanager
+def postgresql_database(server_url: str) -> Iterator[str]:
+    """A fresh database on the given server, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from webhook_receiver.config import database_uri
+
+    base = database_uri(server_url, "/nonexistent")
+    name = f"wr_bench_{datetime.now(UTC):%Y%m%d%H%M%S}_{secrets.token_hex(3)}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def app_env(db_url: str, config_path: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLASK_", "WEBHOOK_RECEIVER_"))
+        and k not in ("DATABASE_URL", "PROMETHEUS_MULTIPROC_DIR")
+    }
+    env.update(
+        DATABASE_URL=db_url,
+        BENCH_DATABASE_URL=db_url,
+        SECRET_KEY=secrets.token_hex(32),
+        WEBHOOK_RECEIVER_CONFIG=str(config_path),
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def migrate(env: dict[str, str]) -> None:
+    """Run the real migrations, as the Procfile's release step does."""
+    subprocess.run(
+        [str(BIN / "flask"), "--app", "wsgi", "db", "upgrade"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+# -- gunicorn and wrk --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def gunicorn(target: str, env: dict[str, str], workers: int, log_path: Path) -> Iterator[str]:
+    """Serve ``target`` with sync workers on a loopback port; yield its base URL."""
+    port = free_port()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [
+                str(BIN / "gunicorn"),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                str(workers),
+                "--worker-class",
+                "sync",
+                "--graceful-timeout",
+                "5",
+                target,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"gunicorn {target} exited; see {log_path}")
+            try:
+                # Any HTTP answer means the workers are up.
+                requests.get(url + "/", timeout=1)
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gunicorn {target} did not start; see {log_path}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=5)
+
+
+def wrk(url: str, load: Load, seconds: float, options: Options, workdir: Path) -> dict:
+    """Run wrk with the scenario's script (and the reporting one); return its summary."""
+    run_id = secrets.token_hex(4)  # fresh per wrk run: see scenarios.RUN_ID
+    args = [run_id if arg == RUN_ID else arg for arg in load.args]
+    script = workdir / f"{load.script}.{time.monotonic_ns()}.lua"
+    script.write_text((LUA / load.script).read_text() + "\n" + (LUA / "report.lua").read_text())
+    command = [
+        "wrk",
+        f"-t{options.threads}",
+        f"-c{options.connections}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "5s",
+        "-s",
+        str(script),
+        url,
+        "--",
+        *args,
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=seconds + 60, check=False
+    )
+    for line in result.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return json.loads(line[len("BENCH_RESULT ") :])
+    raise RuntimeError(f"wrk printed no result:\n{result.stdout}\n{result.stderr}")
+
+
+# -- the run ---------------------------------------------------------------------
+
+
+def run_scenarios(
+    db: str, db_url: str, names: list[str], options: Options, workdir: Path
+) -> list[Result]:
+    config_path = workdir / f"config-{db}.toml"
+    context = Context(db=db, workdir=workdir, run_id=secrets.token_hex(4))
+    config_path.write_text(context.config_toml([SCENARIOS[n].config for n in names]))
+    env = app_env(db_url, config_path)
+    migrate(env)
+    results = []
+    for name in names:
+        scenario = SCENARIOS[name]
+        log_path = workdir / f"gunicorn-{db}-{name}.log"
+        with gunicorn(scenario.app, env, options.workers, log_path) as url:
+            context.url = url
+            load = scenario.prepare(context)
+            if options.warmup > 0:
+                wrk(url, load, options.warmup, options, workdir)
+            summary = wrk(url, load, options.duration, options, workdir)
+        errors = sum(summary[k] for k in ("connect", "read", "write", "status", "timeout"))
+        result = Result(
+            scenario=name,
+            db=db,
+            requests=summary["requests"],
+            seconds=summary["duration_us"] / 1e6,
+            p50_ms=summary["p50_us"] / 1000,
+            p99_ms=summary["p99_us"] / 1000,
+            errors=errors,
+        )
+        print(
+            f"  {db:10} {name:14} {result.rps:8.0f} req/s  p50 {result.p50_ms:.1f} ms", flush=True
+        )
+        results.append(result)
+    return results
+
+
+def table(results: list[Result]) -> list[str]:
+    """The results as Markdown table rows, with each row's ratio to its database's baseline."""
+    baseline = {r.db: r.rps for r in results if r.scenario == "baseline"}
+    rows = [
+        "| scenario | db | requests/s | p50 ms | p99 ms | errors | vs baseline |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = f"{r.rps / baseline[r.db]:.2f}" if baseline.get(r.db) else "-"
+        rows.append(
+            f"| {r.scenario} | {r.db} | {r.rps:.0f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
+            f"| {r.errors} | {ratio} |"
+        )
+    return rows
+
+
+def describe(options: Options, pg_url: str | None) -> list[str]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    return [
+        f"- when: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit or '?'}",
+        f"- machine: {os.cpu_count()} CPUs, {platform.platform()}, "
+        f"Python {platform.python_version()}",
+        f"- server: gunicorn, {options.workers} sync workers, on 127.0.0.1",
+        f"- load: {(wrk_version.splitlines() or ['wrk'])[0].split(' [')[0]}, "
+        f"{options.threads} thread(s), {options.connections} connections, "
+        f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario",
+        "- PostgreSQL: "
+        + (f"a fresh database on the server at {_host(pg_url)}" if pg_url else "skipped"),
+        "- SQLite: a fresh file on disk, WAL, synchronous=FULL",
+    ]
+
+
+def _host(url: str | None) -> str:
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url or "")
+    return f"{parsed.host}:{parsed.port or 5432}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--duration", type=float, default=8, help="seconds of load per scenario")
+    parser.add_argument("--warmup", type=float, default=1, help="seconds of warm-up first")
+    parser.add_argument("--workers", type=int, default=2, help="gunicorn sync workers")
+    parser.add_argument("--connections", type=int, default=4, help="wrk connections")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads")
+    parser.add_argument("--db", default="sqlite,postgresql", help="comma-separated databases")
+    parser.add_argument(
+        "--scenario", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}"
+    )
+    parser.add_argument(
+        "--pg-url",
+        default=os.environ.get("BENCH_DATABASE_URL") or os.environ.get("TEST_DATABASE_URL"),
+        help="PostgreSQL server (default: BENCH_DATABASE_URL, then TEST_DATABASE_URL)",
+    )
+    parser.add_argument("--profile", action="store_true", help="profile the API hot path instead")
+    args = parser.parse_args(argv)
+
+    if args.profile:
+        from .profile import profile
+
+        return profile(args.pg_url)
+    if shutil.which("wrk") is None:
+        print(WRK_MISSING, file=sys.stderr)
+        return 2
+    names = [n for n in args.scenario.split(",") if n]
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    if "baseline" in SCENARIOS and "baseline" not in names:
+        names.insert(0, "baseline")  # every ratio needs its baseline
+    options = Options(args.duration, args.warmup, args.workers, args.connections, args.threads)
+    dbs = [d for d in args.db.split(",") if d]
+    if "postgresql" in dbs and not args.pg_url:
+        print("PostgreSQL skipped: set BENCH_DATABASE_URL or TEST_DATABASE_URL", file=sys.stderr)
+        dbs.remove("postgresql")
+
+    results: list[Result] = []
+    workdir = Path(tempfile.mkdtemp(prefix="wr-bench-", dir=_disk_tmp()))
+    try:
+        for db in dbs:
+            make = sqlite_database(workdir) if db == "sqlite" else postgresql_database(args.pg_url)
+            with make as db_url:
+                results += run_scenarios(db, db_url, names, options, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    lines = [
+        "# webhook-receiver benchmark",
+        "",
+        *describe(options, args.pg_url),
+        "",
+        *table(results),
+    ]
+    print()
+    print("\n".join(table(results)))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"bench-{datetime.now(UTC):%Y%m%d-%H%M%S}.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"\nwritten to {out.relative_to(ROOT)}")
+    return 1 if any(r.errors for r in results) else 0
+
+
+def _disk_tmp() -> str | None:
+    # /tmp is often tmpfs, where fsync costs nothing and SQLite would look
+    # faster than it is on a real disk.
+    RESULTS.mkdir(exist_ok=True)
+    return str(RESULTS)
