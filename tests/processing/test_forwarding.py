@@ -47,7 +47,9 @@ def test_forward_sends_the_event_with_its_key_and_correlation_id(
     assert row["lease_token"] is None
 
 
-def test_forward_without_correlation_id_sends_a_stable_one(make_app, downstream, clock, make_worker):
+def test_forward_without_correlation_id_sends_a_stable_one(
+    make_app, downstream, clock, make_worker
+):
     app = _app(make_app, downstream)
     event_id = store_event(
         app, clock, dedup_key="evt-1", body=b"a=1", content_type="application/x-www-form-urlencoded"
@@ -60,7 +62,9 @@ def test_forward_without_correlation_id_sends_a_stable_one(make_app, downstream,
     assert call.body == b"a=1"
 
 
-def test_failures_back_off_exponentially_with_the_same_key(make_app, downstream, clock, make_worker):
+def test_failures_back_off_exponentially_with_the_same_key(
+    make_app, downstream, clock, make_worker
+):
     app = _app(make_app, downstream)
     downstream.replies["/billing"] = [Reply(500), Reply(502), Reply(503)]
     event_id = store_event(app, clock, dedup_key="evt-1")
@@ -123,9 +127,7 @@ def test_a_short_retry_after_does_not_shorten_the_backoff(make_app, downstream, 
     downstream.replies["/billing"] = [Reply(503, {"Retry-After": "2"})]
     event_id = store_event(app, clock, dedup_key="evt-1")
     drain(app, make_worker(app, clock))
-    assert delivery(app, event_id, "billing")["next_attempt_at"] - clock() == timedelta(
-        seconds=10
-    )
+    assert delivery(app, event_id, "billing")["next_attempt_at"] - clock() == timedelta(seconds=10)
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 503])

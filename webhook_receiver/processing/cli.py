@@ -6,12 +6,14 @@ import logging
 
 import click
 from flask import current_app
+from flask.cli import with_appcontext
 
 from ..config import ConfigError
 from .worker import Worker
 
 
 @click.command("worker")
+@with_appcontext
 @click.option(
     "--drain", is_flag=True, help="Exit once no delivery is due instead of waiting for more."
 )
