@@ -13,7 +13,7 @@ from typing import Any
 from flask import Blueprint, Flask, Response, abort, request
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 # slug -> (status, title)
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
@@ -100,9 +100,23 @@ def _wants_problem_json() -> bool:
     return request.path.startswith(_JSON_PREFIXES)
 
 
+def _refuse_streamed_body_over_the_limit() -> None:
+    # Werkzeug refuses a Content-Length over MAX_CONTENT_LENGTH, but a body
+    # sent without one (chunked) is cut at the limit without a word: the view
+    # would read a truncated body, and the Idempotency-Key engine would store
+    # (and replay) the answer to it. Read such a body up front, and peek one
+    # byte past the limit in the server's own stream.
+    limit = request.max_content_length
+    if limit is None or request.content_length is not None:
+        return
+    if len(request.get_data(cache=True)) >= limit and request.environ["wsgi.input"].read(1):
+        raise RequestEntityTooLarge()
+
+
 def init_app(app: Flask) -> None:
     """Register the error handlers that turn failures into problem details."""
     app.register_error_handler(Problem, problem_response)
+    app.before_request(_refuse_streamed_body_over_the_limit)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response | HTTPException:
