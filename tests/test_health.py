@@ -28,7 +28,8 @@ def test_probes_need_no_credentials_and_take_no_writes(client):
 
 
 @pytest.mark.parametrize(
-    "path", ["/api/nope", "/api/events/not-a-number", "/api/events/1/extra", "/api/"]
+    "path",
+    ["/api", "/api/", "/api/nope", "/api/events/not-a-number", "/api/events/1/extra", "/webhooks"],
 )
 def test_unknown_api_route_is_404_problem_json(client, path):
     response = client.get(path, headers=bearer())

@@ -97,7 +97,7 @@ _JSON_PREFIXES = ("/api/", "/webhooks/", "/problems/", "/metrics", "/readyz", "/
 
 
 def _wants_problem_json() -> bool:
-    return request.path.startswith(_JSON_PREFIXES)
+    return request.path.startswith(_JSON_PREFIXES) or request.path in ("/api", "/webhooks")
 
 
 def _refuse_streamed_body_over_the_limit() -> None:
