@@ -21,10 +21,15 @@ instance/secret_key:
 	mkdir -p instance
 	$(PY) -c 'import secrets; print(secrets.token_hex(32))' > $@
 
-# Serve on the embedded SQLite default with the sample config.
+# Serve and process on the embedded SQLite default with the sample config.
 run: $(VENV)/.installed instance/config.toml instance/secret_key
 	SECRET_KEY=$$(cat instance/secret_key) $(VENV)/bin/flask --app wsgi db upgrade
-	SECRET_KEY=$$(cat instance/secret_key) $(VENV)/bin/gunicorn --bind $(BIND) --workers $(WORKERS) wsgi:app
+	# One worker beside gunicorn processes the deliveries; it stops (after
+	# its current delivery) when gunicorn does.
+	export SECRET_KEY=$$(cat instance/secret_key); \
+	$(VENV)/bin/flask --app wsgi worker & worker=$$!; \
+	trap 'kill $$worker 2>/dev/null; wait $$worker' EXIT; \
+	$(VENV)/bin/gunicorn --bind $(BIND) --workers $(WORKERS) wsgi:app
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
