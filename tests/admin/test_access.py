@@ -1,0 +1,236 @@
+"""Who gets in: the password, the session, the throttle, and the admin switched off."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import AdminLoginFailure, utcnow
+
+from .conftest import PASSWORD, add, event, login, post, text
+
+PAGES = [
+    "/admin/",
+    "/admin/events",
+    "/admin/events/1",
+    "/admin/conflicts",
+    "/admin/conflicts/1",
+    "/admin/dead",
+    "/admin/idempotency",
+    "/admin/rejections",
+]
+
+
+@pytest.mark.parametrize("password", [None, ""])
+def test_admin_without_password_is_404_everywhere(make_app, password):
+    app = make_app(ADMIN_PASSWORD=password)
+    client = app.test_client()
+    for url in [*PAGES, "/admin/login", "/admin", "/admin/static/admin.css", "/admin/nope"]:
+        response = client.get(url)
+        assert response.status_code in (404, 308), url
+        if response.status_code == 308:
+            assert client.get(response.headers["Location"]).status_code == 404
+        assert "webhook-receiver" not in text(response)
+    for url in ["/admin/login", "/admin/logout", "/admin/deliveries/requeue"]:
+        assert client.post(url, data={"password": ""}).status_code == 404, url
+
+
+def test_password_from_the_environment(make_app, monkeypatch):
+    monkeypatch.setenv("WEBHOOK_RECEIVER_ADMIN_PASSWORD", "from-the-env-password")
+    app = make_app()
+    client = app.test_client()
+    assert client.get("/admin/login").status_code == 200
+    assert login(client, "from-the-env-password").status_code == 302
+
+
+@pytest.mark.parametrize("url", PAGES)
+def test_pages_require_login(anon, url):
+    response = anon.get(url)
+    assert response.status_code == 302
+    assert response.headers["Location"].startswith("/admin/login?next=")
+
+
+def test_login_form_then_back_to_the_page_asked_for(anon, admin_app):
+    event_id = event(admin_app)
+    response = anon.get(f"/admin/events/{event_id}?x=1")
+    assert response.status_code == 302
+    page = anon.get(response.headers["Location"])
+    assert page.status_code == 200
+    assert 'name="password"' in text(page)
+    assert f'value="/admin/events/{event_id}?x=1"' in text(page)
+    done = login(anon, next=f"/admin/events/{event_id}?x=1")
+    assert done.status_code == 302
+    assert done.headers["Location"] == f"/admin/events/{event_id}?x=1"
+    assert anon.get(f"/admin/events/{event_id}").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["https://evil.example/", "//evil.example/admin/", "/\\evil.example", "/api/events", "x"],
+)
+def test_login_never_redirects_outside_the_admin(anon, target):
+    response = login(anon, next=target)
+    assert response.status_code == 302
+    assert response.headers["Location"] == "/admin/"
+
+
+def test_wrong_password_is_refused(anon, admin_app):
+    response = login(anon, "not the password")
+    assert response.status_code == 200
+    assert "Wrong password." in text(response)
+    assert anon.get("/admin/").status_code == 302
+    with admin_app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(AdminLoginFailure)) == 1
+
+
+def test_an_empty_password_is_refused(anon):
+    assert "Wrong password." in text(login(anon, ""))
+    assert anon.get("/admin/events").status_code == 302
+
+
+def test_good_login_opens_a_session_with_safe_cookie_flags(anon):
+    response = login(anon)
+    assert response.status_code == 302
+    cookie = response.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie
+    assert "SameSite=Lax" in cookie
+    assert "Secure" not in cookie
+    assert anon.get("/admin/").status_code == 200
+
+
+def test_session_cookie_is_secure_when_configured(make_app):
+    app = make_app(ADMIN_PASSWORD=PASSWORD, SESSION_COOKIE_SECURE=True)
+    client = app.test_client()
+    https = "https://localhost"
+    page = client.get("/admin/login", base_url=https)
+    assert "Secure" in page.headers["Set-Cookie"]
+    token = re.search(r'name="csrf_token" value="([^"]+)"', text(page)).group(1)
+    response = client.post(
+        "/admin/login",
+        data={"password": PASSWORD, "csrf_token": token},
+        base_url=https,
+        headers={"Referer": f"{https}/admin/login"},
+    )
+    assert response.status_code == 302
+    assert "Secure" in response.headers["Set-Cookie"]
+    assert client.get("/admin/", base_url=https).status_code == 200
+
+
+def test_logout_ends_the_session(admin):
+    response = post(admin, "/admin/logout")
+    assert response.status_code == 302
+    assert response.headers["Location"] == "/admin/login"
+    assert admin.get("/admin/").status_code == 302
+
+
+def test_logout_is_not_a_get(admin):
+    assert admin.get("/admin/logout").status_code == 405
+    assert admin.get("/admin/").status_code == 200
+
+
+def test_changing_the_password_ends_open_sessions(make_app, admin):
+    cookie = admin.get_cookie("session")
+    other = make_app(ADMIN_PASSWORD="a different password").test_client()
+    other.set_cookie("session", cookie.value)
+    assert other.get("/admin/").status_code == 302
+
+
+def test_session_ends_after_its_lifetime(admin):
+    with admin.session_transaction() as session:
+        data = dict(session["admin"])
+        data["at"] -= 13 * 3600
+        session["admin"] = data
+    assert admin.get("/admin/").status_code == 302
+
+
+def test_a_forged_session_value_is_not_a_login(anon):
+    with anon.session_transaction() as session:
+        session["admin"] = {"tag": "0" * 64, "at": 2**31}
+    assert anon.get("/admin/").status_code == 302
+
+
+def test_failed_logins_are_throttled_per_address(anon, make_app, admin_app):
+    for _ in range(5):
+        assert login(anon, "guess").status_code == 200
+    throttled = login(anon, "guess")
+    assert throttled.status_code == 429
+    assert int(throttled.headers["Retry-After"]) == 15 * 60
+    assert "Too many failed logins" in text(throttled)
+    # While throttled even the right password is not tried.
+    assert login(anon, PASSWORD).status_code == 429
+    assert anon.get("/admin/").status_code == 302
+    # Another worker (another app on the same database) counts the same failures.
+    other = make_app(ADMIN_PASSWORD=PASSWORD).test_client()
+    assert login(other, PASSWORD).status_code == 429
+    # Another address is not held back.
+    elsewhere = admin_app.test_client()
+    elsewhere.environ_base["REMOTE_ADDR"] = "198.51.100.7"
+    assert login(elsewhere, PASSWORD).status_code == 302
+
+
+def test_old_failures_neither_count_nor_stay(anon, admin_app):
+    old = utcnow() - timedelta(minutes=16)
+    for _ in range(5):
+        add(admin_app, AdminLoginFailure(remote_addr="127.0.0.1", at=old))
+    add(admin_app, AdminLoginFailure(remote_addr="192.0.2.1", at=old - timedelta(days=1)))
+    assert login(anon, "guess").status_code == 200  # not throttled: the old ones expired
+    with admin_app.app_context():
+        rows = db.session.execute(select(AdminLoginFailure.remote_addr)).scalars().all()
+    assert rows == ["127.0.0.1"]  # pruned down to the new failure
+
+
+def test_good_login_clears_the_address_failures(anon, admin_app):
+    for _ in range(4):
+        login(anon, "guess")
+    assert login(anon).status_code == 302
+    with admin_app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(AdminLoginFailure)) == 0
+
+
+def test_throttle_limits_are_configurable(make_app):
+    app = make_app(ADMIN_PASSWORD=PASSWORD, ADMIN_LOGIN_MAX_FAILURES=2)
+    client = app.test_client()
+    login(client, "a")
+    login(client, "b")
+    assert login(client, PASSWORD).status_code == 429
+
+
+@pytest.mark.parametrize("url", ["/admin/login", "/admin/", "/admin/events/999999", "/admin/nope"])
+def test_security_headers_on_every_admin_response(admin, url):
+    response = admin.get(url)
+    csp = response.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp
+    assert "script-src 'none'" in csp
+    assert "frame-ancestors 'none'" in csp
+    assert "unsafe-inline" not in csp
+    assert response.headers["X-Frame-Options"] == "DENY"
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert response.headers["Referrer-Policy"] == "same-origin"
+    assert response.headers["Cache-Control"] == "no-store"
+
+
+def test_html_errors_not_problem_json(admin):
+    response = admin.get("/admin/events/999999")
+    assert response.status_code == 404
+    assert response.mimetype == "text/html"
+    assert "No such event." in text(response)
+
+
+def test_stylesheet_is_served_before_login(anon):
+    response = anon.get("/admin/static/admin.css")
+    assert response.status_code == 200
+    assert response.mimetype == "text/css"
+    response.close()
+
+
+def test_pages_hold_no_inline_script_or_style(admin, admin_app):
+    event(admin_app)
+    for url in PAGES[:3] + ["/admin/login"]:
+        html = text(admin.get(url))
+        assert "<script" not in html
+        assert "style=" not in html
+        assert "<style" not in html

@@ -1,0 +1,312 @@
+"""The admin's actions: requeue, review a conflict, evict a key; and the lists they start from."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Delivery, EventConflict, IdempotencyRecord, utcnow
+
+from .conftest import (
+    conflict,
+    delivery,
+    event,
+    idempotency_record,
+    post,
+    rejection,
+    text,
+)
+
+
+def state_of(app, delivery_id):
+    with app.app_context():
+        row = db.session.get(Delivery, delivery_id)
+        return row.state, row.attempts
+
+
+# -- requeue -----------------------------------------------------------------
+
+
+def test_requeue_one_from_the_event_page(admin_app, admin):
+    event_id = event(admin_app)
+    dead_id = delivery(
+        admin_app, event_id, state="dead", attempts=8, updated_at=utcnow() - timedelta(hours=1)
+    )
+    page = f"/admin/events/{event_id}"
+    response = post(admin, "/admin/deliveries/requeue", {"ids": dead_id, "next": page})
+    assert response.status_code == 302
+    assert response.headers["Location"] == page
+    assert state_of(admin_app, dead_id) == ("pending", 0)
+    html = text(admin.get(page))
+    assert "Requeued 1 delivery." in html
+    row = html[html.index(f'data-delivery-id="{dead_id}"') :].split("</tr>")[0]
+    assert "state-pending" in row and "Requeue" not in row
+
+
+def test_dead_letters_list_and_requeue_many(admin_app, admin):
+    event_id = event(admin_app, source="github", event_type="push")
+    now = utcnow()
+    dead = [
+        delivery(
+            admin_app,
+            event_id,
+            consumer=f"c{i}",
+            state="dead",
+            attempts=8,
+            last_error=f"error {i}",
+            updated_at=now - timedelta(minutes=i),
+        )
+        for i in range(3)
+    ]
+    delivery(admin_app, event_id, consumer="fine", state="delivered")
+    listing = text(admin.get("/admin/dead"))
+    assert [int(i) for i in re.findall(r'data-delivery-id="(\d+)"', listing)] == dead
+    assert "error 1" in listing and "github" in listing
+    response = post(
+        admin, "/admin/deliveries/requeue", {"ids": [dead[0], dead[2]], "next": "/admin/dead"}
+    )
+    assert response.status_code == 302
+    assert response.headers["Location"] == "/admin/dead"
+    assert [state_of(admin_app, d)[0] for d in dead] == ["pending", "dead", "pending"]
+    assert "Requeued 2 deliveries." in text(admin.get("/admin/dead"))
+
+
+def test_requeue_all_on_the_page(admin_app, admin):
+    event_id = event(admin_app)
+    dead = [delivery(admin_app, event_id, consumer=f"c{i}", state="dead") for i in range(3)]
+    page = text(admin.get("/admin/dead"))
+    value = re.search(r'name="page_ids" value="([\d,]+)"', page).group(1)
+    assert sorted(int(i) for i in value.split(",")) == dead
+    post(admin, "/admin/deliveries/requeue", {"page_ids": value})
+    assert {state_of(admin_app, d)[0] for d in dead} == {"pending"}
+    assert "No dead deliveries." in text(admin.get("/admin/dead"))
+
+
+def test_dead_letters_filter_by_consumer(admin_app, admin):
+    event_id = event(admin_app)
+    crm = delivery(admin_app, event_id, consumer="crm", state="dead")
+    delivery(admin_app, event_id, consumer="billing", state="dead")
+    page = text(admin.get("/admin/dead?consumer=crm"))
+    assert re.findall(r'data-delivery-id="(\d+)"', page) == [str(crm)]
+
+
+def test_requeue_leaves_delivered_and_working_ones_alone(admin_app, admin):
+    event_id = event(admin_app)
+    now = utcnow()
+    done = delivery(admin_app, event_id, consumer="done", state="delivered", attempts=1)
+    working = delivery(
+        admin_app,
+        event_id,
+        consumer="working",
+        state="in_progress",
+        attempts=1,
+        lease_expires_at=now + timedelta(minutes=5),
+    )
+    stuck = delivery(
+        admin_app,
+        event_id,
+        consumer="stuck",
+        state="in_progress",
+        attempts=3,
+        lease_expires_at=now - timedelta(minutes=5),
+    )
+    post(admin, "/admin/deliveries/requeue", {"ids": [done, working, stuck, 999999]})
+    assert state_of(admin_app, done) == ("delivered", 1)
+    assert state_of(admin_app, working) == ("in_progress", 1)
+    assert state_of(admin_app, stuck) == ("pending", 0)
+    assert "Requeued 1 delivery. 3 could not be requeued" in text(admin.get("/admin/dead"))
+
+
+def test_requeue_refuses_junk_and_foreign_redirects(admin_app, admin):
+    assert post(admin, "/admin/deliveries/requeue", {"ids": "1; drop"}).status_code == 400
+    response = post(admin, "/admin/deliveries/requeue", {"next": "https://evil.example/"})
+    assert response.headers["Location"] == "/admin/dead"
+    assert "Nothing was selected." in text(admin.get("/admin/dead"))
+
+
+# -- conflicts ---------------------------------------------------------------
+
+
+def test_conflict_shows_both_payloads_with_differences_marked(admin_app, admin):
+    event_id = event(
+        admin_app,
+        body=b'{"id": "evt_1", "amount": 100, "currency": "eur", "a": 1, "b": 2, "c": 3, "d": 4}',
+        headers=[["Content-Type", "application/json"], ["X-Request", "one"]],
+    )
+    conflict_id = conflict(
+        admin_app,
+        event_id,
+        body=b'{"d": 4, "c": 3, "b": 2, "a": 1, "currency": "eur", "amount": 250, "id": "evt_1"}',
+        headers=[["Content-Type", "application/json"], ["X-Request", "two"]],
+        seen_count=3,
+    )
+    page = text(admin.get(f"/admin/conflicts/{conflict_id}"))
+    body = page[page.index('id="body-diff"') : page.index("</table>", page.index('id="body-diff"'))]
+    # Key order is no difference: only the amount line differs, highlighted on both sides.
+    assert body.count('class="diff-replace"') == 1
+    replaced = body[body.index('class="diff-replace"') :].split("</tr>")[0]
+    assert '<td class="code old">' in replaced and '<td class="code new">' in replaced
+    assert "<mark>100</mark>," in replaced and "<mark>250</mark>," in replaced
+    assert "&#34;currency&#34;: &#34;eur&#34;" in body
+    headers = page[page.index('id="header-diff"') :]
+    assert "X-Request: <mark>one</mark>" in headers and "X-Request: <mark>two</mark>" in headers
+    assert "seen 3×" in page
+    assert f'href="/admin/events/{event_id}"' in page
+
+
+def test_long_unchanged_runs_fold(admin_app, admin):
+    lines = [f"line {i}" for i in range(40)]
+    changed = lines[:20] + ["changed"] + lines[21:]
+    event_id = event(admin_app, body="\n".join(lines).encode(), content_type="text/plain")
+    conflict_id = conflict(
+        admin_app, event_id, body="\n".join(changed).encode(), content_type="text/plain"
+    )
+    page = text(admin.get(f"/admin/conflicts/{conflict_id}"))
+    assert "⋯ 17 unchanged lines" in page and "⋯ 16 unchanged lines" in page
+
+
+def test_mark_reviewed_with_a_note(admin_app, admin):
+    event_id = event(admin_app)
+    conflict_id = conflict(admin_app, event_id)
+    assert f'data-conflict-id="{conflict_id}"' in text(admin.get("/admin/conflicts"))
+    response = post(
+        admin, f"/admin/conflicts/{conflict_id}/review", {"note": "  Provider bug #12 "}
+    )
+    assert response.status_code == 302
+    assert response.headers["Location"] == f"/admin/conflicts/{conflict_id}"
+    with admin_app.app_context():
+        row = db.session.get(EventConflict, conflict_id)
+        assert row.review_note == "Provider bug #12"
+        assert row.reviewed_at is not None
+    page = text(admin.get(f"/admin/conflicts/{conflict_id}"))
+    assert "Marked as reviewed." in page and "Provider bug #12" in page
+    assert f'data-conflict-id="{conflict_id}"' not in text(admin.get("/admin/conflicts"))
+    reviewed = text(admin.get("/admin/conflicts?view=reviewed"))
+    assert f'data-conflict-id="{conflict_id}"' in reviewed and "Provider bug #12" in reviewed
+    assert f'data-conflict-id="{conflict_id}"' in text(admin.get("/admin/conflicts?view=all"))
+
+
+def test_review_of_a_missing_conflict_or_an_overlong_note(admin_app, admin):
+    assert post(admin, "/admin/conflicts/424242/review", {"note": "x"}).status_code == 404
+    conflict_id = conflict(admin_app, event(admin_app))
+    long_note = {"note": "x" * 2001}
+    assert post(admin, f"/admin/conflicts/{conflict_id}/review", long_note).status_code == 400
+    with admin_app.app_context():
+        assert db.session.get(EventConflict, conflict_id).reviewed_at is None
+    assert admin.get("/admin/conflicts/424242").status_code == 404
+
+
+def test_conflicts_list_pages_by_keyset(make_app):
+    from .conftest import PASSWORD, login
+
+    app = make_app(ADMIN_PASSWORD=PASSWORD, ADMIN_PAGE_SIZE=2)
+    client = app.test_client()
+    login(client)
+    event_id = event(app)
+    now = utcnow()
+    made = [conflict(app, event_id, received_at=now - timedelta(minutes=i)) for i in range(5)]
+    seen = []
+    url = "/admin/conflicts"
+    while url:
+        page = text(client.get(url))
+        seen += [int(i) for i in re.findall(r'data-conflict-id="(\d+)"', page)]
+        found = re.search(r'<a href="([^"]+)" rel="next">', page)
+        url = found.group(1).replace("&amp;", "&") if found else None
+    assert seen == made
+
+
+# -- idempotency keys --------------------------------------------------------
+
+
+def test_idempotency_keys_per_client_with_state_and_expiry(admin_app, admin):
+    now = utcnow()
+    done = idempotency_record(admin_app, client="acme", key="done", created_at=now)
+    live = idempotency_record(
+        admin_app,
+        client="acme",
+        key="live",
+        state="in_progress",
+        lease_expires_at=now + timedelta(minutes=1),
+        created_at=now - timedelta(seconds=1),
+    )
+    abandoned = idempotency_record(
+        admin_app,
+        client="globex",
+        key="abandoned",
+        state="in_progress",
+        lease_expires_at=now - timedelta(minutes=1),
+        created_at=now - timedelta(minutes=2),
+    )
+    expired = idempotency_record(
+        admin_app, client="globex", key="old", created_at=now - timedelta(days=2)
+    )
+
+    def rows(query=""):
+        page = text(admin.get(f"/admin/idempotency{query}"))
+        return [int(i) for i in re.findall(r'data-record-id="(\d+)"', page)], page
+
+    ids, page = rows()
+    assert ids == [done, live, abandoned, expired]
+    for record_id, shown in [
+        (done, "completed"),
+        (live, "in progress"),
+        (abandoned, "abandoned"),
+        (expired, "expired"),
+    ]:
+        row = page[page.index(f'data-record-id="{record_id}"') :].split("</tr>")[0]
+        assert f">{shown}</span>" in row, row
+    assert (now + timedelta(hours=24)).strftime("%Y-%m-%d %H:%M:%S") in page
+    assert '<option value="globex">' in page
+    assert rows("?client=acme")[0] == [done, live]
+    assert rows("?state=expired")[0] == [expired]
+    assert rows("?state=in_progress")[0] == [live, abandoned]
+    assert rows("?state=completed&client=globex")[0] == []
+    assert rows("?key=live&client=acme")[0] == [live]
+
+
+def test_evict_a_key(admin_app, admin):
+    record_id = idempotency_record(admin_app, key="k-evict")
+    keep = idempotency_record(admin_app, key="k-keep")
+    response = post(
+        admin, f"/admin/idempotency/{record_id}/evict", {"next": "/admin/idempotency?client=acme"}
+    )
+    assert response.status_code == 302
+    assert response.headers["Location"] == "/admin/idempotency?client=acme"
+    with admin_app.app_context():
+        assert db.session.get(IdempotencyRecord, record_id) is None
+        assert db.session.get(IdempotencyRecord, keep) is not None
+    assert "Evicted the key" in text(admin.get("/admin/idempotency"))
+    post(admin, f"/admin/idempotency/{record_id}/evict")
+    assert "That key was already gone." in text(admin.get("/admin/idempotency"))
+
+
+def test_an_evicted_key_runs_afresh_on_the_api(admin_app, admin):
+    from ..conftest import bearer
+
+    api = admin_app.test_client()
+    body = {"type": "order.created", "data": {"n": 1}}
+    headers = {**bearer(), "Idempotency-Key": "evict-me"}
+    first = api.post("/api/events", json=body, headers=headers)
+    assert first.status_code == 201
+    with admin_app.app_context():
+        record_id = db.session.query(IdempotencyRecord.id).scalar()
+    post(admin, f"/admin/idempotency/{record_id}/evict")
+    again = api.post("/api/events", json=body, headers=headers)
+    assert again.status_code == 201
+    assert "Idempotent-Replayed" not in again.headers
+    assert again.get_json()["id"] != first.get_json()["id"]
+
+
+# -- rejections --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("query", ["", "?source=github"])
+def test_rejections_list(admin_app, admin, query):
+    rejection(admin_app, source="stripe", detail="no signature matched", remote_addr="203.0.113.9")
+    rejection(admin_app, source="github", reason="timestamp", detail="too old")
+    page = text(admin.get(f"/admin/rejections{query}"))
+    assert "too old" in page
+    assert ("no signature matched" in page) is (query == "")
