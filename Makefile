@@ -29,7 +29,7 @@ run: $(VENV)/.installed instance/config.toml instance/secret_key
 	export SECRET_KEY=$$(cat instance/secret_key); \
 	$(VENV)/bin/flask --app wsgi worker & worker=$$!; \
 	trap 'kill $$worker 2>/dev/null; wait $$worker' EXIT; \
-	$(VENV)/bin/gunicorn --bind $(BIND) --workers $(WORKERS) wsgi:app
+	$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -43,6 +43,9 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     from .database import engine_options
 
     app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+        # A failed statement's message would otherwise carry its parameters
+        # (bodies, headers) into the logs.
+        "hide_parameters": True,
         **engine_options(uri),
         **app.config["SQLALCHEMY_ENGINE_OPTIONS"],
     }
@@ -57,11 +60,12 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)
 
-    from . import correlation, database, problems
+    from . import correlation, database, observability, problems
 
     database.init_app(app)
     problems.init_app(app)
     correlation.init_app(app)
+    observability.init_app(app)
 
     from .admin import bp as admin_bp
     from .api import bp as api_bp

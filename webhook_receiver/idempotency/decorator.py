@@ -18,6 +18,7 @@ from flask import Response, current_app, g, request
 
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
+from ..observability import metrics
 from ..problems import Problem, problem_response
 from . import records
 from .keys import parse_key
@@ -89,25 +90,54 @@ def idempotent(view: F) -> F:
             for name, value in outcome.headers:
                 response.headers.add(name, value)
             response.headers["Idempotent-Replayed"] = "true"
-            log.info("idempotency replay", extra={"client": req.client, "key": key})
+            _log(logging.INFO, "idempotency replay", "replay", req, outcome.status)
+            metrics.replay(_source(req))
             return response
         if isinstance(outcome, records.Mismatch):
+            _log(logging.WARNING, "idempotency key reused", "mismatch", req, 422)
+            metrics.conflict(_source(req))
             raise Problem(
                 "idempotency-key-reused",
                 "this Idempotency-Key was used with a different request",
             )
         if isinstance(outcome, records.InFlight):
+            _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
             raise Problem(
                 "idempotency-key-in-use",
                 "a request with this Idempotency-Key is being processed; retry later",
                 headers={"Retry-After": str(outcome.retry_after)},
             )
-        return _execute(outcome, view, args, kwargs)
+        return _execute(req, outcome, view, args, kwargs)
 
     return cast(F, wrapper)
 
 
-def _execute(claimed: records.Claimed, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _source(req: records.Request) -> str:
+    # API events are stored under this source; metrics and logs say the same.
+    return f"api:{req.client}"
+
+
+def _log(level: int, message: str, outcome: str, req: records.Request, status: int) -> None:
+    log.log(
+        level,
+        message,
+        extra={
+            "outcome": outcome,
+            "source": _source(req),
+            "client": req.client,
+            "dedup_key": req.key,
+            "status": status,
+        },
+    )
+
+
+def _execute(
+    req: records.Request,
+    claimed: records.Claimed,
+    view: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+) -> Any:
     session = db.session
     try:
         records.hold(claimed)
@@ -126,9 +156,13 @@ def _execute(claimed: records.Claimed, view: Callable[..., Any], args: Any, kwar
             claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
         )
         session.commit()
+        _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
+        if response.status_code < 300:
+            metrics.received(_source(req))
         return response
     except records.LeaseLost:
         session.rollback()
+        _log(logging.WARNING, "idempotency lease lost", "lease_lost", req, 409)
         return problem_response(
             Problem(
                 "idempotency-lease-lost",

@@ -23,6 +23,7 @@ from ..database import end_read, is_sqlite
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..models import Event, EventConflict, EventDuplicate, Rejection, utcnow
+from ..observability import metrics
 from ..problems import Problem
 from .providers import (
     Identified,
@@ -140,11 +141,13 @@ def _store(
                 continue  # a concurrent copy won the insert: it is ours to count
             session.commit()
             _log("accepted", source, key, event_id)
+            metrics.received(source.name)
             return Receipt("accepted", accepted_body(event_id), event_id)
         if existing.fingerprint == print_:
             _count_duplicate(existing.id, now)
             session.commit()
             _log("duplicate", source, key, existing.id)
+            metrics.duplicate(source.name)
             return Receipt("duplicate", accepted_body(existing.id), existing.id)
         _keep_conflict(existing.id, source, key, print_, body, content_type, headers, now)
         session.commit()
@@ -158,6 +161,7 @@ def _store(
                 "correlation_id": correlation.current(),
             },
         )
+        metrics.conflict(source.name)
         raise Problem(
             "dedup-key-conflict",
             "an event with this key and different content was already received; "
@@ -224,6 +228,7 @@ def _reject(source: SourceConfig, reason: str, detail: str, remote_addr: str | N
             "correlation_id": correlation.current(),
         },
     )
+    metrics.signature_failure(source.name, reason)
     # Counting a refusal must never turn it into a 5xx: if the database is
     # away, the 401 still stands.
     try:

@@ -1,0 +1,49 @@
+"""gunicorn settings the app relies on: Prometheus multiprocess mode.
+
+gunicorn reads ``./gunicorn.conf.py`` by default, and the Procfile and the
+Makefile name it with ``-c``. Only hooks are set here, so ``--bind`` and
+``--workers`` on the command line still decide the rest.
+
+prometheus_client chooses its multiprocess value class when it is first
+imported, so ``PROMETHEUS_MULTIPROC_DIR`` is set here, in the master, before
+any worker (or a preloaded app) imports it. Without one given, a private
+directory is made for this server and removed when it exits; a given one is
+emptied at start, since files of a previous run would add old counts.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+
+_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Not WEBHOOK_RECEIVER_*: the app reads every variable of that prefix.
+_OWNED = "_WEBHOOK_RECEIVER_OWNED_METRICS_DIR"
+
+# This file is read again on a reload (SIGHUP): the directory stays the same.
+if not os.environ.get(_ENV):
+    os.environ[_ENV] = os.environ[_OWNED] = tempfile.mkdtemp(prefix="webhook-receiver-metrics-")
+
+
+def on_starting(server):  # noqa: ARG001 (gunicorn's hook signature)
+    """Start the count from zero: create the directory, drop a previous run's files."""
+    path = os.environ[_ENV]
+    os.makedirs(path, exist_ok=True)
+    for name in glob.glob(os.path.join(path, "*.db")):
+        os.remove(name)
+
+
+def child_exit(server, worker):  # noqa: ARG001
+    """Forget a dead worker's live gauges; its counters stay in the total."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):  # noqa: ARG001
+    """Remove the directory this server made."""
+    path = os.environ.get(_OWNED)
+    if path and path == os.environ.get(_ENV):
+        shutil.rmtree(path, ignore_errors=True)

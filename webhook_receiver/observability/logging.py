@@ -1,0 +1,103 @@
+"""Structured logs: one JSON object per line, each with the request's correlation id.
+
+The receipt and the Idempotency-Key engine log one line per delivery or
+request with ``source``, ``dedup_key``, ``event_id``, ``outcome`` and
+``correlation_id`` as fields (passed through ``extra``). Callers never put
+secrets or bodies in a line; JSON escaping keeps a key with CR/LF from
+forging a line of its own.
+
+``create_app`` installs the handler on the package's logger unless the app
+is testing or logging is already configured (a handler on the root logger,
+or on the package logger that is not ours), so an operator's own logging
+set-up always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import IO, Any
+
+from flask import Flask, g, has_request_context
+from flask.logging import default_handler
+from pythonjsonlogger.json import JsonFormatter
+
+from ..config import ConfigError
+
+PACKAGE_LOGGER = "webhook_receiver"
+FORMATS = ("json", "text")
+# The fields a text line shows after its message, when a record has them.
+FIELDS = ("source", "dedup_key", "event_id", "outcome", "client", "status", "correlation_id")
+
+
+class CorrelationFilter(logging.Filter):
+    """Give every record logged during a request that request's correlation id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "correlation_id", None) is None and has_request_context():
+            record.correlation_id = g.get("correlation_id")
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """A plain line, then the structured fields as ``key=value`` (repr-quoted)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        pairs = [
+            f"{name}={getattr(record, name)!r}"
+            for name in FIELDS
+            if getattr(record, name, None) is not None
+        ]
+        return " ".join([line, *pairs]) if pairs else line
+
+
+def json_formatter() -> logging.Formatter:
+    """The JSON formatter: time, level, logger, message, then every ``extra`` field."""
+    return JsonFormatter(
+        "%(levelname)s %(name)s %(message)s",
+        rename_fields={"levelname": "level", "name": "logger"},
+        timestamp="time",
+    )
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Our handler, told apart from an operator's so a second app replaces it."""
+
+
+def configure(fmt: str = "json", level: str | int = "INFO", stream: IO[str] | None = None) -> None:
+    """Send the package's logs to ``stream`` (stderr) as JSON or text lines."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    for old in [h for h in logger.handlers if isinstance(h, _Handler) or h is default_handler]:
+        logger.removeHandler(old)
+    handler = _Handler(stream or sys.stderr)
+    handler.setFormatter(json_formatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(CorrelationFilter())
+    logger.addHandler(handler)
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
+    # We own the package's lines now; a root handler added later must not
+    # print them a second time.
+    logger.propagate = False
+
+
+def already_configured() -> bool:
+    """Tell whether someone else configured logging (the root or the package logger)."""
+    if logging.getLogger().handlers:
+        return True
+    package = logging.getLogger(PACKAGE_LOGGER)
+    return any(not isinstance(h, _Handler) and h is not default_handler for h in package.handlers)
+
+
+def init_app(app: Flask) -> None:
+    """Configure JSON (or text) logs for this app, unless testing or configured elsewhere."""
+    fmt: Any = app.config.get("LOG_FORMAT") or ("text" if app.debug else "json")
+    if fmt not in FORMATS:
+        raise ConfigError(f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if app.testing or already_configured():
+        return
+    configure(fmt, app.config.get("LOG_LEVEL") or "INFO")

@@ -1,0 +1,202 @@
+"""Prometheus metrics: what the receiver counts, and the ``/metrics`` endpoint.
+
+Counting stays off the database and costs O(1): a labelled counter's
+increment is a dictionary lookup and an add (an mmap write in multiprocess
+mode). Under gunicorn, ``gunicorn.conf.py`` sets ``PROMETHEUS_MULTIPROC_DIR``
+before any worker imports prometheus_client; each worker then writes its own
+file there and a scrape, answered by any worker, sums the files of all of
+them, live or dead.
+
+Each app has its own registry (in ``app.extensions``), so tests read exact
+counts of their own app. The module-level functions are what the rest of
+the code calls; outside an app with metrics they do nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+
+from flask import Blueprint, Flask, Response, current_app, g, request
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
+from prometheus_client.exposition import choose_encoder
+
+from ..problems import Problem
+
+EXTENSION = "webhook_receiver.metrics"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PREFIX = "webhook_receiver"
+
+# Any other method (clients may send anything) is counted as "other", so that
+# a label cannot grow without bound.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Webhook answers take milliseconds; the tail is the database waiting on a lock.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """One app's counters and histograms, on a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+
+        self.received = counter(
+            "received", "Events stored for the first time, per source.", ("source",)
+        )
+        self.duplicates = counter(
+            "duplicates", "Redeliveries of a stored event (same key, same content).", ("source",)
+        )
+        self.conflicts = counter(
+            "conflicts",
+            "Deliveries or requests reusing a key with different content.",
+            ("source",),
+        )
+        self.signature_failures = counter(
+            "signature_failures",
+            "Deliveries refused as unauthentic, by reason (signature or timestamp).",
+            ("source", "reason"),
+        )
+        self.replays = counter(
+            "replays", "Saved Idempotency-Key responses replayed, per source.", ("source",)
+        )
+        self.delivery_attempts = counter(
+            "delivery_attempts",
+            "Attempts to deliver an event to a consumer, by outcome.",
+            ("source", "consumer", "outcome"),
+        )
+        self.dead_letters = counter(
+            "dead_letters", "Deliveries given up on (dead letters).", ("source", "consumer")
+        )
+        self.latency = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time to answer a request, by endpoint, method and status class.",
+            ("endpoint", "method", "status"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of multiprocess mode, when it is on."""
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def _metrics() -> Metrics | None:
+    return current_app.extensions.get(EXTENSION)
+
+
+def received(source: str) -> None:
+    """Count an event stored for the first time."""
+    m = _metrics()
+    if m is not None:
+        m.received.labels(source).inc()
+
+
+def duplicate(source: str) -> None:
+    """Count a redelivery of a stored event."""
+    m = _metrics()
+    if m is not None:
+        m.duplicates.labels(source).inc()
+
+
+def conflict(source: str) -> None:
+    """Count a key reused with different content."""
+    m = _metrics()
+    if m is not None:
+        m.conflicts.labels(source).inc()
+
+
+def signature_failure(source: str, reason: str) -> None:
+    """Count a delivery refused as unauthentic (``reason``: signature or timestamp)."""
+    m = _metrics()
+    if m is not None:
+        m.signature_failures.labels(source, reason).inc()
+
+
+def replay(source: str) -> None:
+    """Count a replayed Idempotency-Key response."""
+    m = _metrics()
+    if m is not None:
+        m.replays.labels(source).inc()
+
+
+def delivery_attempt(source: str, consumer: str, outcome: str) -> None:
+    """Count one delivery attempt of a source's event to a consumer, by outcome."""
+    m = _metrics()
+    if m is not None:
+        m.delivery_attempts.labels(source, consumer, outcome).inc()
+
+
+def dead_letter(source: str, consumer: str) -> None:
+    """Count a delivery that became a dead letter."""
+    m = _metrics()
+    if m is not None:
+        m.dead_letters.labels(source, consumer).inc()
+
+
+def _start_timer() -> None:
+    g._metrics_started = time.perf_counter()
+
+
+def _observe(response: Response) -> Response:
+    started = g.pop("_metrics_started", None)
+    m = _metrics()
+    if started is not None and m is not None:
+        method = request.method if request.method in _METHODS else "other"
+        m.latency.labels(
+            request.endpoint or "unmatched", method, f"{response.status_code // 100}xx"
+        ).observe(time.perf_counter() - started)
+    return response
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode()).digest()
+
+
+def _authorized() -> bool:
+    token = current_app.config.get("METRICS_TOKEN")
+    if not token:
+        return True
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    # Digests are compared so that timing reveals nothing, not even the length.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        _digest(given.strip()), _digest(str(token))
+    )
+
+
+bp = Blueprint("metrics", __name__)
+
+
+@bp.get("/metrics")
+def expose() -> Response:
+    """Expose the counters and histograms in the Prometheus text format."""
+    if not _authorized():
+        raise Problem(
+            "unauthorized",
+            "send Authorization: Bearer <WEBHOOK_RECEIVER_METRICS_TOKEN>",
+            headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
+        )
+    if multiprocess_dir():
+        # A fresh registry per scrape, as multiprocess mode requires: it reads
+        # every worker's file.
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = current_app.extensions[EXTENSION].registry
+    # The Accept header picks the format: Prometheus text (0.0.4 unless a
+    # newer one is asked for) or OpenMetrics.
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return Response(encode(registry), headers={"Content-Type": content_type})
+
+
+def init_app(app: Flask) -> None:
+    """Give the app its metrics, time its requests and serve ``/metrics``."""
+    app.extensions[EXTENSION] = Metrics(CollectorRegistry(auto_describe=True))
+    app.before_request(_start_timer)
+    app.after_request(_observe)
+    app.register_blueprint(bp)
