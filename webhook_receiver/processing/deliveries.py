@@ -18,9 +18,9 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, and_, insert, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, insert, or_, select, update
 
 from ..extensions import db
 from ..models import Delivery
@@ -59,7 +59,7 @@ def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
             updated_at=now,
         )
     )
-    return result.rowcount
+    return _rowcount(result)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def hold(claim: Claim, now: datetime) -> bool:
         .where(_t.c.id == claim.id, _t.c.lease_token == claim.token)
         .values(updated_at=now)
     )
-    return result.rowcount == 1
+    return _rowcount(result) == 1
 
 
 def _finish(
@@ -166,7 +166,7 @@ def _finish(
         .where(condition)
         .values(lease_token=None, lease_expires_at=None, updated_at=now, **values)
     )
-    return result.rowcount == 1
+    return _rowcount(result) == 1
 
 
 def mark_delivered(claim: Claim, now: datetime, status: int | None = None) -> bool:
@@ -225,3 +225,8 @@ def needing_attention(now: datetime, stuck_after: timedelta, limit: int = 100) -
             .limit(limit)
         )
     )
+
+
+def _rowcount(result: Any) -> int:
+    # An UPDATE's result is a CursorResult; Session.execute is typed wider.
+    return cast(CursorResult[Any], result).rowcount

@@ -120,15 +120,15 @@ def advance(source: str, key: Key, event_id: int, now: datetime) -> bool:
         from sqlalchemy.dialects.sqlite import insert
     else:
         from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
-    stmt = insert(_t).values(
+    row = insert(_t).values(
         source=source, entity=key.entity, version=key.version, event_id=event_id, updated_at=now
     )
-    stmt = stmt.on_conflict_do_update(
+    upsert = row.on_conflict_do_update(
         index_elements=["source", "entity"],
-        set_={"version": stmt.excluded.version, "event_id": event_id, "updated_at": now},
-        where=_t.c.version <= stmt.excluded.version,
+        set_={"version": row.excluded.version, "event_id": event_id, "updated_at": now},
+        where=_t.c.version <= row.excluded.version,
     ).returning(_t.c.id)
-    return db.session.execute(stmt).first() is not None
+    return db.session.execute(upsert).first() is not None
 
 
 def applied_version(source: str, entity: str) -> str | None:

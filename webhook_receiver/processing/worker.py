@@ -122,10 +122,10 @@ class Worker:
         self.backoff_base = float(config["WORKER_BACKOFF_BASE_SECONDS"])
         self.backoff_cap = float(config["WORKER_BACKOFF_MAX_SECONDS"])
         self.retry_after_cap = float(config["WORKER_RETRY_AFTER_MAX_SECONDS"])
+        self._check_lease()
         self.http = http or requests.Session()
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
-        self._check_lease()
 
     def _check_lease(self) -> None:
         for forward in self.registry.forwards():

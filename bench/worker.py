@@ -1,0 +1,301 @@
+"""Worker throughput: ``python -m bench.worker``.
+
+Deliveries per second to a loopback downstream (HTTP forwards) and handler
+executions per second, on SQLite and PostgreSQL, with 1 and 2 worker
+processes (``flask --app wsgi worker``). Each case stores ``--deliveries``
+events in one transaction while the workers already wait, then times until
+every delivery is delivered; every case is bounded by ``--timeout``.
+
+PostgreSQL is the server of ``BENCH_DATABASE_URL``, else ``TEST_DATABASE_URL``
+(without either only SQLite runs); a fresh database is made there and dropped
+at the end. SQLite's file lives under ``bench/results/``, not ``/tmp``, which
+is often tmpfs, where fsync is free. It measures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from webhook_receiver.processing import handler
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RESULTS = Path(__file__).resolve().parent / "results"
+SECRET_KEY = "bench-secret-key-0123456789abcdef"
+FORWARD_SOURCE = "bench-forward"
+HANDLER_SOURCE = "bench-handler"
+
+
+@handler(source=HANDLER_SOURCE, name="bench-noop")
+def bench_noop(event: Any, session: Any) -> None:
+    """A handler that reads its event and writes nothing: the framework's own cost."""
+    assert event.body
+
+
+@dataclass(frozen=True)
+class Row:
+    db: str
+    kind: str
+    workers: int
+    deliveries: int
+    seconds: float | None
+
+    def cells(self) -> list[str]:
+        rate = f"{self.deliveries / self.seconds:,.0f}" if self.seconds else "timed out"
+        took = f"{self.seconds:.2f}" if self.seconds else "-"
+        return [self.db, self.kind, str(self.workers), str(self.deliveries), took, rate]
+
+
+class _Downstream(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    wbufsize = 1 << 16
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def downstream() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Downstream)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hooks"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def config_toml(url: str) -> str:
+    return "\n".join(
+        [
+            'handlers = ["bench.worker"]',
+            f"[sources.{FORWARD_SOURCE}]",
+            'provider = "generic"',
+            'secrets = ["bench-secret-0123456789"]',
+            'signature_header = "X-Signature"',
+            f"[[sources.{FORWARD_SOURCE}.forward]]",
+            'name = "downstream"',
+            f"url = {json.dumps(url)}",
+            "timeout_seconds = 5",
+            f"[sources.{HANDLER_SOURCE}]",
+            'provider = "generic"',
+            'secrets = ["bench-secret-0123456789"]',
+            'signature_header = "X-Signature"',
+            "",
+        ]
+    )
+
+
+def env_for(db_url: str, config_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "WEBHOOK_"))}
+    env.update(
+        DATABASE_URL=db_url,
+        SECRET_KEY=SECRET_KEY,
+        WEBHOOK_RECEIVER_CONFIG=str(config_path),
+        WEBHOOK_RECEIVER_WORKER_POLL_SECONDS="0.05",
+        WEBHOOK_RECEIVER_LOG_LEVEL="WARNING",
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+@contextmanager
+def databases(pg_url: str | None, only: str | None) -> Iterator[list[tuple[str, str]]]:
+    """Fresh, empty databases: SQLite always, PostgreSQL when a server is given."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    RESULTS.mkdir(exist_ok=True)
+    stamp = f"{datetime.now(UTC):%Y%m%d%H%M%S}_{secrets.token_hex(3)}"
+    found: list[tuple[str, str]] = []
+    sqlite_path = RESULTS / f"worker-{stamp}.sqlite3"
+    if only in (None, "sqlite"):
+        found.append(("sqlite", f"sqlite:///{sqlite_path}"))
+    admin = None
+    pg_name = f"wr_bench_worker_{stamp}"
+    if pg_url and only in (None, "postgresql"):
+        sa_url = pg_url.replace("postgres://", "postgresql://", 1).replace(
+            "postgresql://", "postgresql+psycopg://", 1
+        )
+        admin = create_engine(sa_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{pg_name}"'))
+        found.append(("postgresql", make_url(sa_url).set(database=pg_name).render_as_string(False)))
+    try:
+        yield found
+    finally:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{sqlite_path}{suffix}").unlink(missing_ok=True)
+        if admin is not None:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)'))
+            admin.dispose()
+
+
+def start_workers(count: int, env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for n in range(count):
+        with open(logs / f"worker-{n}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [str(BIN / "flask"), "--app", "wsgi", "worker"],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def run_case(
+    app: Any, env: dict[str, str], kind: str, workers: int, n: int, timeout: float, logs: Path
+) -> float | None:
+    """Time ``n`` deliveries of one kind through ``workers`` processes; None on timeout."""
+    from sqlalchemy import func, select
+
+    from webhook_receiver import events
+    from webhook_receiver.extensions import db
+    from webhook_receiver.models import Delivery
+
+    source = FORWARD_SOURCE if kind == "forward" else HANDLER_SOURCE
+    procs = start_workers(workers, env, logs)
+    try:
+        # Let the workers import and connect before the clock starts.
+        time.sleep(2.0)
+        with app.app_context():
+            db.session.execute(Delivery.__table__.delete())
+            db.session.commit()
+            now = datetime.now(UTC)
+            run = secrets.token_hex(4)
+            for i in range(n):
+                events.insert_event(
+                    {
+                        "source": source,
+                        "dedup_key": f"{run}-{i}",
+                        "event_type": "bench.event",
+                        "fingerprint": "0" * 64,
+                        "content_type": "application/json",
+                        "body": json.dumps({"type": "bench.event", "data": {"i": i}}).encode(),
+                        "headers": [],
+                        "meta": {},
+                        "received_at": now,
+                        "duplicate_count": 0,
+                    }
+                )
+            db.session.commit()
+            started = time.monotonic()
+            deadline = started + timeout
+            query = select(func.count()).select_from(Delivery).where(Delivery.state == "delivered")
+            while time.monotonic() < deadline:
+                done = db.session.scalar(query)
+                db.session.rollback()
+                if done >= n:
+                    return time.monotonic() - started
+                if any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"a worker exited early; see {logs}")
+                time.sleep(0.02)
+            return None
+    finally:
+        stop_workers(procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deliveries", type=int, default=1000)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    parser.add_argument("--db", choices=["sqlite", "postgresql"])
+    parser.add_argument(
+        "--pg-url",
+        default=os.environ.get("BENCH_DATABASE_URL") or os.environ.get("TEST_DATABASE_URL"),
+    )
+    args = parser.parse_args(argv)
+
+    from flask_migrate import upgrade
+
+    from webhook_receiver import create_app
+    from webhook_receiver.extensions import db
+
+    rows: list[Row] = []
+    logs = RESULTS / "worker-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with downstream() as url, databases(args.pg_url, args.db) as dbs:
+        config_path = logs / "config.toml"
+        config_path.write_text(config_toml(url))
+        for db_name, db_url in dbs:
+            app = create_app(
+                {
+                    "SECRET_KEY": SECRET_KEY,
+                    "SQLALCHEMY_DATABASE_URI": db_url,
+                    "CONFIG": str(config_path),
+                }
+            )
+            with app.app_context():
+                upgrade()
+            try:
+                for kind in ("forward", "handler"):
+                    for workers in (1, 2):
+                        seconds = run_case(
+                            app,
+                            env_for(db_url, config_path),
+                            kind,
+                            workers,
+                            args.deliveries,
+                            args.timeout,
+                            logs,
+                        )
+                        row = Row(db_name, kind, workers, args.deliveries, seconds)
+                        rows.append(row)
+                        print("  ".join(row.cells()), file=sys.stderr, flush=True)
+            finally:
+                with app.app_context():
+                    db.session.remove()
+                    db.engine.dispose()
+    header = ["database", "consumer", "workers", "deliveries", "seconds", "per second"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row.cells()) + " |")
+    return 0 if all(r.seconds for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
