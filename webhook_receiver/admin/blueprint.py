@@ -20,6 +20,7 @@ from flask import (
     request,
     url_for,
 )
+from flask.typing import ResponseReturnValue
 from flask_wtf.csrf import CSRFError
 from werkzeug.exceptions import HTTPException
 
@@ -62,11 +63,24 @@ _OPEN_ENDPOINTS = frozenset({"admin.login", "admin.static"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-@bp.before_request
-def guard() -> Response | None:
-    """Hide the admin when it has no password, check CSRF, and require a login."""
-    if not current_app.config.get("ADMIN_PASSWORD"):
+def _is_admin_path() -> bool:
+    return request.path == PREFIX or request.path.startswith(PREFIX + "/")
+
+
+@bp.before_app_request
+def hide_when_off() -> None:
+    """Answer 404 for every /admin URL when no password is configured.
+
+    App-wide, so that it runs before routing answers a redirect or a 405,
+    which would tell that the admin exists.
+    """
+    if _is_admin_path() and not current_app.config.get("ADMIN_PASSWORD"):
         abort(404)
+
+
+@bp.before_request
+def guard() -> ResponseReturnValue | None:
+    """Check CSRF on state-changing requests, and require a login."""
     if request.method not in _SAFE_METHODS:
         # Checked whatever WTF_CSRF_ENABLED says: the admin never runs unprotected.
         csrf.protect()
@@ -81,7 +95,7 @@ def guard() -> Response | None:
 def security_headers(response: Response) -> Response:
     """Add the CSP and its companions to every /admin response, and keep pages out of caches."""
     # App-wide, so that a 404 for an /admin URL no route matches gets them too.
-    if request.path != PREFIX and not request.path.startswith(PREFIX + "/"):
+    if not _is_admin_path():
         return response
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)

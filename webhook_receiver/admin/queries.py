@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     ColumnElement,
+    CursorResult,
     Select,
     and_,
     delete,
@@ -83,7 +84,7 @@ class Page:
 
 
 def keyset_page(
-    stmt: Select[Any],
+    stmt: Select[*tuple[Any, ...]],
     at_col: Any,
     id_col: Any,
     *,
@@ -151,7 +152,7 @@ class Counts:
     dead: int
 
 
-def _count(stmt: Select[Any]) -> int:
+def _count(stmt: Select[*tuple[Any, ...]]) -> int:
     return int(db.session.scalar(stmt) or 0)
 
 
@@ -501,12 +502,15 @@ def review_conflict(conflict_id: int, note: str, now: datetime) -> bool:
 
     The caller commits.
     """
-    result = db.session.execute(
-        update(EventConflict)
-        .where(EventConflict.id == conflict_id)
-        .values(reviewed_at=now, review_note=note or None)
+    result = cast(
+        "CursorResult[Any]",
+        db.session.execute(
+            update(EventConflict)
+            .where(EventConflict.id == conflict_id)
+            .values(reviewed_at=now, review_note=note or None)
+        ),
     )
-    return bool(result.rowcount == 1)
+    return result.rowcount == 1
 
 
 # -- idempotency keys --------------------------------------------------------

@@ -6,7 +6,6 @@ from datetime import timedelta
 from typing import Any
 
 from flask import (
-    Response,
     abort,
     current_app,
     flash,
@@ -15,6 +14,7 @@ from flask import (
     request,
     url_for,
 )
+from flask.typing import ResponseReturnValue
 
 from ..config import FileConfig
 from ..database import unit_of_work
@@ -47,7 +47,9 @@ def _cursors() -> dict[str, queries.Cursor | None]:
 
 def _pager(page: queries.Page) -> dict[str, str | None]:
     """Links to the newer and older pages, keeping the current filters."""
-    args = {k: v for k, v in request.args.items() if k not in ("before", "after") and v}
+    args: dict[str, Any] = {
+        k: v for k, v in request.args.items() if k not in ("before", "after") and v
+    }
     endpoint = request.endpoint or "admin.overview"
     return {
         "newer": url_for(endpoint, **request.view_args or {}, **args, after=page.newer.encode())
@@ -98,7 +100,7 @@ def login() -> Any:
 
 
 @bp.post("/logout")
-def logout() -> Response:
+def logout() -> ResponseReturnValue:
     """End the session."""
     auth.log_out()
     flash("You are logged out.")
@@ -106,6 +108,12 @@ def logout() -> Response:
 
 
 # -- overview ----------------------------------------------------------------
+
+
+@bp.get("")
+def root() -> ResponseReturnValue:
+    """Send /admin to the overview."""
+    return redirect(url_for("admin.overview"))
 
 
 @bp.get("/")
@@ -199,7 +207,7 @@ def event(event_id: int) -> str:
 
 
 @bp.post("/deliveries/requeue")
-def requeue() -> Response:
+def requeue() -> ResponseReturnValue:
     """Requeue the chosen dead, failed or stuck deliveries."""
     raw_ids = request.form.getlist("ids")
     # The dead-letter page's "requeue all on this page" button carries its ids.
@@ -289,7 +297,7 @@ def conflict(conflict_id: int) -> str:
 
 
 @bp.post("/conflicts/<int:conflict_id>/review")
-def review(conflict_id: int) -> Response:
+def review(conflict_id: int) -> ResponseReturnValue:
     """Mark a conflict reviewed, with the operator's note."""
     note = request.form.get("note", "").strip()
     if len(note) > REVIEW_NOTE_MAX:
@@ -331,7 +339,7 @@ def idempotency() -> str:
 
 
 @bp.post("/idempotency/<int:record_id>/evict")
-def evict(record_id: int) -> Response:
+def evict(record_id: int) -> ResponseReturnValue:
     """Delete one Idempotency-Key record, so that the key may be used afresh."""
     if records.evict(record_id):
         flash("Evicted the key: its next request runs afresh.", "success")
