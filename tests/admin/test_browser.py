@@ -136,6 +136,7 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             page.click("nav >> text=Events")
             page.wait_for_url(f"{server.url}/admin/events")
             assert page.locator("#events tbody tr").count() == 7
+            page.screenshot(path=str(ARTIFACTS / f"admin-events-{engine}.png"), full_page=True)
             page.select_option("select[name=state]", "dead")
             page.fill("input[name=source]", "stripe")
             page.click("form.filters button[type=submit]")
