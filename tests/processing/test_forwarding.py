@@ -12,7 +12,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.processing import deliveries, registry
 
 from ..servers import free_port
-from .conftest import FAST, Reply, config_with, delivery, drain, forward, store_event
+from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
 
 
 def _app(make_app, downstream, *forwards, **overrides):
@@ -298,3 +298,25 @@ def test_each_attempt_logs_one_line_and_calls_the_outcome_hooks(
         )
         assert record.correlation_id == "corr-1"
     assert [(o.outcome, o.status) for o in seen] == [("retry", 500), ("delivered", 200)]
+
+
+def test_an_event_purged_after_the_claim_is_let_go(make_app, downstream, clock):
+    from sqlalchemy import delete
+
+    from webhook_receiver.models import Event
+    from webhook_receiver.processing.worker import Worker
+
+    app = _app(make_app, downstream)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = Worker(app, clock=clock)
+    try:
+        with app.app_context():
+            claim = deliveries.claim_next(clock(), timedelta(seconds=5))
+            db.session.execute(delete(Event).where(Event.id == event_id))
+            db.session.commit()
+            outcome = worker.process(claim)
+    finally:
+        worker.http.close()
+    assert (outcome.outcome, outcome.error) == ("lease_lost", "event deleted")
+    assert delivery_rows(app) == []
+    assert downstream.calls == []

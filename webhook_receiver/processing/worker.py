@@ -92,8 +92,8 @@ class AttemptOutcome:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    source: str
-    dedup_key: str
+    source: Any
+    dedup_key: Any
     event_type: str | None
     content_type: str | None
     body: bytes
@@ -221,9 +221,13 @@ class Worker:
                 Event.body,
                 Event.correlation_id,
             ).where(Event.id == claim.event_id)
-        ).one()
+        ).one_or_none()
         # End the read, so that the next transaction opens with its write.
         db.session.rollback()
+        if event is None:
+            # Purged since the claim; its deliveries went with it.
+            gone = _Snapshot(None, None, None, None, b"", None)
+            return self._outcome(claim, gone, LEASE_LOST, error="event deleted")
         snap = _Snapshot(*event)
         consumer = self.registry.find(snap.source, claim.consumer)
         limit = self.max_attempts
