@@ -132,6 +132,8 @@ def database(admin_url: str, name: str) -> Iterator[str]:
 
 
 _config_dir = Path(tempfile.mkdtemp(prefix="wr-scaleout-"))
+# Configs and gunicorn logs; kept only when a run fails (the error names them).
+_keep_config_dir = False
 
 
 def write_config() -> Path:
@@ -248,6 +250,7 @@ pidfile = {root}/pgbouncer.pid
     finally:
         process.terminate()
         process.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -635,4 +638,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except Exception:
+        _keep_config_dir = True
+        print(f"logs kept in {_config_dir}", file=sys.stderr)
+        raise
+    finally:
+        if not _keep_config_dir:
+            shutil.rmtree(_config_dir, ignore_errors=True)
+    sys.exit(status)
