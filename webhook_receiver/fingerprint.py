@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
+from itertools import accumulate, count, repeat
+from operator import lshift, sub
 from typing import Any
 
 from .problems import Problem
@@ -17,6 +20,22 @@ from .problems import Problem
 
 class JSONError(ValueError):
     """The bytes are not strict JSON (bad UTF-8, syntax, NaN, or nested too deep)."""
+
+
+# Deeper documents are refused. Python's own recursion limit depends on how
+# deep the stack already is, so without a fixed bound a document could parse
+# in one place and fail to serialise in another (a 500). Payloads are a few
+# levels deep; 256 is orjson's limit too.
+MAX_DEPTH = 256
+# A \uD800-\uDFFF escape is the only way a lone surrogate gets into a string
+# (UTF-8 cannot carry one), and a lone surrogate can be neither re-encoded nor
+# stored. Seeing the escape is cheap; only then is the document checked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
+_NOT_A_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_OPENING_IS_ONE = bytes.maketrans(b"[]", b"\x01\x00")
+_PASSES = 8
 
 
 def _reject_constant(name: str) -> Any:
@@ -30,11 +49,37 @@ def loads(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise JSONError("body is not valid UTF-8") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
     except ValueError as exc:
         raise JSONError(f"body is not valid JSON: {exc}") from exc
+    # Nesting cannot exceed the number of brackets: most bodies skip the walk.
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _too_deep(body):
+        raise JSONError(f"JSON nested deeper than {MAX_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(body):
+        canonical_json(value)  # raises JSONError on a lone surrogate
+    return value
+
+
+def _too_deep(body: bytes) -> bool:
+    # On the bytes, at C speed: drop the strings and keep the brackets.
+    if b'\\"' in body:
+        outside = _STRING.sub(b"", body)
+    else:  # no escaped quote: every other piece between quotes is a string
+        outside = b"".join(body.split(b'"')[::2])
+    skeleton = outside.translate(_ONE_BRACKET, _NOT_A_BRACKET)
+    # Each pass strips the innermost pairs, one level; most documents are
+    # gone after a few. What remains is measured in one linear pass: the
+    # depth after n brackets is 2 * (opening brackets among them) - n.
+    for _ in range(_PASSES):
+        if not skeleton:
+            return False
+        skeleton = skeleton.replace(b"[]", b"")
+    if not skeleton:
+        return False
+    opened = accumulate(skeleton.translate(_OPENING_IS_ONE))
+    return _PASSES + max(map(sub, map(lshift, opened, repeat(1)), count(1))) > MAX_DEPTH
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -61,6 +106,8 @@ def canonical_json(value: Any) -> bytes:
         )
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
+    except UnicodeEncodeError as exc:
+        raise JSONError("JSON string holds a lone surrogate (\\uD800-\\uDFFF)") from exc
 
 
 def canonical_body(body: bytes, parsed: Any = None, *, is_json: bool = False) -> bytes:

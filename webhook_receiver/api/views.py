@@ -23,13 +23,22 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
     body = request.get_data(cache=True)
     if not is_json_type(request.content_type):
         raise Problem("invalid-json", "send the event as Content-Type: application/json")
+    if len(request.content_type or "") > 255:  # the column's length (PostgreSQL would 500)
+        raise Problem("unsupported-media-type", "the Content-Type header is too long")
     payload = parse_json_body(body)
     if not isinstance(payload, dict):
         raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")
-    if not isinstance(event_type, str) or not event_type or len(event_type) > 255:
+    # PostgreSQL text cannot hold NUL: refused here on every database alike.
+    if (
+        not isinstance(event_type, str)
+        or not event_type
+        or len(event_type) > 255
+        or "\x00" in event_type
+    ):
         raise Problem(
-            "invalid-event", '"type" must be a non-empty string of at most 255 characters'
+            "invalid-event",
+            '"type" must be a non-empty string of at most 255 characters, without NUL',
         )
     if "data" not in payload:
         raise Problem("invalid-event", '"data" is required (any JSON value)')

@@ -78,6 +78,9 @@ def receive(
             "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
             str(exc),
         ) from exc
+    if needs_json(source) and not content_type:
+        # Providers always label their JSON; unlabelled content is not theirs to guess.
+        raise Problem("unsupported-media-type", "send Content-Type: application/json")
     if json_error is not None and needs_json(source):
         raise Problem("payload-invalid", f"{provider.name} deliveries are JSON: {json_error}")
     try:
@@ -88,6 +91,7 @@ def receive(
         raise Problem("payload-invalid", str(exc)) from exc
     if identified.immediate_response is not None:
         return Receipt("immediate", identified.immediate_response)
+    _check_storable(identified, content_type)
 
     is_json = parsed is not None
     content = canonical_json(parsed) if is_json else body
@@ -95,6 +99,27 @@ def receive(
     # counters change per attempt and must not.
     print_ = fingerprint([identified.event_type or "", content])
     return _store(source, identified, print_, body, content_type, headers)
+
+
+_TYPE_LENGTH = _events.c.event_type.type.length
+_CONTENT_TYPE_LENGTH = _events.c.content_type.type.length
+
+
+def _check_storable(identified: Identified, content_type: str) -> None:
+    # PostgreSQL refuses a NUL in text and a value longer than its column
+    # with an error (a 500, retried for days), where SQLite stores both:
+    # refuse them up front, the same way on both, as the bad input they are.
+    strings = [identified.dedup_key, identified.event_type or ""]
+    strings += [v for v in identified.meta.values() if isinstance(v, str)]
+    if any("\x00" in value for value in strings):
+        raise Problem("payload-invalid", "the dedup key, type or metadata holds a NUL character")
+    if len(identified.event_type or "") > _TYPE_LENGTH:
+        raise Problem("payload-invalid", f"the event type is longer than {_TYPE_LENGTH} characters")
+    if len(content_type) > _CONTENT_TYPE_LENGTH:
+        raise Problem(
+            "unsupported-media-type",
+            f"the Content-Type header is longer than {_CONTENT_TYPE_LENGTH} characters",
+        )
 
 
 def _parse(body: bytes, content_type: str, required: bool) -> tuple[Any, str | None]:
