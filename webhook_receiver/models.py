@@ -62,6 +62,8 @@ class Event(db.Model):
     __table_args__ = (
         UniqueConstraint("source", "dedup_key"),
         Index("ix_events_received_at_id", "received_at", "id"),
+        # An operator searches by dedup key without knowing the source.
+        Index("ix_events_dedup_key", "dedup_key"),
         Index("ix_events_source_received_at", "source", "received_at"),
     )
 
@@ -165,6 +167,8 @@ class Delivery(db.Model):
     __table_args__ = (
         UniqueConstraint("event_id", "consumer"),
         Index("ix_deliveries_state_next_attempt_at", "state", "next_attempt_at"),
+        # The admin overview counts deliveries done and dead per period.
+        Index("ix_deliveries_state_completed_at", "state", "completed_at"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
