@@ -324,3 +324,22 @@ def test_environment_settings_are_overridden_by_test_config(make_app, monkeypatc
     monkeypatch.setenv("WEBHOOK_RECEIVER_MAX_BODY_BYTES", "2048")
     app = make_app(MAX_BODY_BYTES=4096)
     assert app.config["MAX_CONTENT_LENGTH"] == 4096
+
+
+def test_trusted_proxies_set_the_client_address(make_app):
+    """Behind one proxy, X-Forwarded-For is the client address (throttling depends on it)."""
+    from flask import request
+
+    seen = []
+    app = make_app(TRUSTED_PROXIES=1)
+
+    @app.get("/whoami-test")
+    def whoami():
+        seen.append(request.remote_addr)
+        return "ok"
+
+    app.test_client().get("/whoami-test", headers={"X-Forwarded-For": "203.0.113.9"})
+    plain = make_app()
+    plain.add_url_rule("/whoami-test", view_func=whoami)
+    plain.test_client().get("/whoami-test", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert seen == ["203.0.113.9", "127.0.0.1"]

@@ -49,6 +49,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         **engine_options(uri),
         **app.config["SQLALCHEMY_ENGINE_OPTIONS"],
     }
+    proxies = int(app.config["TRUSTED_PROXIES"])
+    if proxies:
+        from werkzeug.middleware.proxy_fix import ProxyFix
+
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=proxies, x_proto=proxies)  # type: ignore[method-assign]
     # Werkzeug refuses larger bodies with 413 before a view reads them.
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY_BYTES"])
     app.config.setdefault("SESSION_COOKIE_HTTPONLY", True)

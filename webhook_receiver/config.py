@@ -41,6 +41,14 @@ DEFAULTS: dict[str, Any] = {
     "ADMIN_PASSWORD": None,
     "METRICS_TOKEN": None,
     "SESSION_COOKIE_SECURE": False,
+    # How many reverse proxies in front set X-Forwarded-For/-Proto; 0 trusts
+    # none. Login throttling and logs use the client address they give.
+    "TRUSTED_PROXIES": 0,
+    # The admin's knobs.
+    "ADMIN_SESSION_HOURS": 12,
+    "ADMIN_LOGIN_MAX_FAILURES": 5,
+    "ADMIN_LOGIN_WINDOW_SECONDS": 900,
+    "ADMIN_PAGE_SIZE": 50,
     "FORCE_SHORT_RETENTION": False,
     "SQLALCHEMY_ENGINE_OPTIONS": {},
     # The delivery worker (webhook_receiver.processing). A lease must outlast
