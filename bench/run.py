@@ -218,7 +218,9 @@ def run_scenarios(
 ) -> list[Result]:
     config_path = workdir / f"config-{db}.toml"
     context = Context(db=db, workdir=workdir, run_id=secrets.token_hex(4))
-    config_path.write_text(context.config_toml([SCENARIOS[n].config for n in names]))
+    # Scenarios may share a fragment (the same sources): include each once.
+    fragments = list(dict.fromkeys(SCENARIOS[n].config for n in names))
+    config_path.write_text(context.config_toml(fragments))
     env = app_env(db_url, config_path)
     migrate(env)
     results = []

@@ -150,6 +150,85 @@ def api_replay(ctx: Context) -> Load:
     return Load("cycle.lua", [ctx.requests_file(raw)])
 
 
+# Signed provider deliveries. GitHub signs only the body, so one body and
+# one signature serve every request while X-GitHub-Delivery (the dedup key)
+# changes: a real, verifiable unique delivery per request from wrk alone.
+GITHUB_SECRET = "bench-github-secret-0123456789"
+STRIPE_SECRET = "whsec_bench_stripe_secret_0123456789"
+WEBHOOK_CONFIG = f"""
+[sources.bench-github]
+provider = "github"
+secrets = ["{GITHUB_SECRET}"]
+
+[sources.bench-stripe]
+provider = "stripe"
+secrets = ["{STRIPE_SECRET}"]
+"""
+GITHUB_BODY = json.dumps(
+    {
+        "action": "opened",
+        "number": 7,
+        "repository": {"full_name": "acme/app"},
+        "issue": {"title": "a bug", "labels": ["bug", "p1"], "user": {"login": "someone"}},
+    },
+    separators=(",", ":"),
+).encode()
+
+
+def _github_headers(delivery: str) -> dict[str, str]:
+    import hashlib
+    import hmac
+
+    digest = hmac.new(GITHUB_SECRET.encode(), GITHUB_BODY, hashlib.sha256).hexdigest()
+    return {
+        "Content-Type": "application/json",
+        "X-GitHub-Event": "issues",
+        "X-GitHub-Delivery": delivery,
+        "X-Hub-Signature-256": f"sha256={digest}",
+    }
+
+
+def webhook_unique(ctx: Context) -> Load:
+    """Every request a new, correctly signed GitHub delivery."""
+    headers = _github_headers(KEY_PLACEHOLDER)
+    return Load(
+        "unique.lua",
+        [ctx.template("POST", "/webhooks/bench-github", headers, GITHUB_BODY), RUN_ID],
+    )
+
+
+def _stripe_delivery(event_id: str, t: int) -> tuple[bytes, dict[str, str]]:
+    import hashlib
+    import hmac
+
+    body = json.dumps(
+        {"id": event_id, "type": "invoice.paid", "data": {"object": {"id": "in_1", "total": 990}}},
+        separators=(",", ":"),
+    ).encode()
+    mac = hmac.new(STRIPE_SECRET.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return body, {"Content-Type": "application/json", "Stripe-Signature": f"t={t},v1={mac}"}
+
+
+def webhook_redelivery(ctx: Context) -> Load:
+    """Store REPLAY_KEYS Stripe events, then load re-signed redeliveries of them."""
+    import time
+
+    raw = []
+    with requests.Session() as session:
+        for i in range(REPLAY_KEYS):
+            event_id = f"evt_{ctx.run_id}_{i}"
+            body, headers = _stripe_delivery(event_id, int(time.time()))
+            response = session.post(
+                ctx.url + "/webhooks/bench-stripe", data=body, headers=headers, timeout=10
+            )
+            if response.status_code != 200:
+                raise RuntimeError(f"seeding deliveries: {response.status_code} {response.text}")
+            # Stripe re-signs each retry with a new timestamp.
+            body, headers = _stripe_delivery(event_id, int(time.time()) + 1)
+            raw.append(ctx.raw("POST", "/webhooks/bench-stripe", headers, body))
+    return Load("cycle.lua", [ctx.requests_file(raw)])
+
+
 SCENARIOS: dict[str, Scenario] = {
     "baseline": Scenario(
         "bench.baseline_app:app",
@@ -161,5 +240,17 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "api-replay": Scenario(
         "wsgi:app", api_replay, f"POST /api/events replaying {REPLAY_KEYS} stored keys"
+    ),
+    "webhook-unique": Scenario(
+        "wsgi:app",
+        webhook_unique,
+        "POST /webhooks/<github source>, a new signed delivery on every request",
+        config=WEBHOOK_CONFIG,
+    ),
+    "webhook-redelivery": Scenario(
+        "wsgi:app",
+        webhook_redelivery,
+        f"POST /webhooks/<stripe source>, re-signed redeliveries of {REPLAY_KEYS} stored events",
+        config=WEBHOOK_CONFIG,
     ),
 }

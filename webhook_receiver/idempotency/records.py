@@ -16,7 +16,12 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, delete, or_, select, update
 
-from ..database import end_read, insert_ignoring_conflicts
+from ..database import (
+    commit_without_waiting_for_disk,
+    end_read,
+    insert_ignoring_conflicts,
+    is_sqlite,
+)
 from ..extensions import db
 from ..models import IdempotencyRecord
 
@@ -97,6 +102,7 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
         end_read()
         token = secrets.token_hex(16)
         if row is None:
+            commit_without_waiting_for_disk()
             inserted = session.execute(
                 insert_ignoring_conflicts(_t, ["client", "key"])
                 .values(
@@ -139,6 +145,7 @@ def _take_over(
 ) -> bool:
     # One conditional UPDATE: it matches only while the record is still
     # expired or abandoned, so two requests cannot both take it over.
+    commit_without_waiting_for_disk()
     result = db.session.execute(
         update(_t)
         .where(
@@ -168,11 +175,16 @@ def _take_over(
 
 
 def hold(claimed: Claimed) -> None:
-    """Lock the claimed record inside the current transaction, or raise LeaseLost.
+    """On SQLite, open the view's transaction with a write to the claimed record.
 
-    On SQLite this also opens the transaction with a write, so the view's
-    reads and writes run under the write lock instead of failing on upgrade.
+    The view's reads and writes then run under the write lock instead of
+    failing when a read transaction cannot be upgraded. PostgreSQL needs no
+    such step: ``complete`` is fenced by the lease token, so a request that
+    lost its lease meanwhile rolls back there, and one round trip is saved.
+    Raises LeaseLost if the lease is already gone.
     """
+    if not is_sqlite():
+        return
     result = db.session.execute(
         update(_t)
         .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)

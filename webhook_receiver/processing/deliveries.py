@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, insert, or_, select, update
 
+from ..database import commit_without_waiting_for_disk
 from ..extensions import db
 from ..models import Delivery
 
@@ -119,6 +120,9 @@ def claim_next(now: datetime, lease: timedelta) -> Claim | None:
         .limit(1)
         .with_for_update(skip_locked=True)
     )
+    # A claim lost in a crash only makes the delivery claimable again: its
+    # commit need not wait for the disk (the outcome's commit does).
+    commit_without_waiting_for_disk()
     row = db.session.execute(
         update(_t)
         .where(_t.c.id == pick.scalar_subquery(), _claimable(now))
