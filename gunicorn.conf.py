@@ -7,8 +7,9 @@ Makefile name it with ``-c``. Only hooks are set here, so ``--bind`` and
 prometheus_client chooses its multiprocess value class when it is first
 imported, so ``PROMETHEUS_MULTIPROC_DIR`` is set here, in the master, before
 any worker (or a preloaded app) imports it. Without one given, a private
-directory is made for this server and removed when it exits; a given one is
-emptied at start, since files of a previous run would add old counts.
+directory is made for this server and removed when it exits; in a given one,
+the files of processes no longer running are removed at start, since they
+would add a previous run's counts.
 """
 
 from __future__ import annotations
@@ -27,12 +28,28 @@ if not os.environ.get(_ENV):
     os.environ[_ENV] = os.environ[_OWNED] = tempfile.mkdtemp(prefix="webhook-receiver-metrics-")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def on_starting(server):  # noqa: ARG001 (gunicorn's hook signature)
-    """Start the count from zero: create the directory, drop a previous run's files."""
+    """Start from zero: create the directory, drop the files of processes gone.
+
+    A live process's file stays: a delivery worker (``flask worker``) given the
+    same directory keeps its counts across a restart of the web server.
+    """
     path = os.environ[_ENV]
     os.makedirs(path, exist_ok=True)
     for name in glob.glob(os.path.join(path, "*.db")):
-        os.remove(name)
+        pid = os.path.basename(name).removesuffix(".db").rpartition("_")[2]
+        if not (pid.isdigit() and _alive(int(pid))):
+            os.remove(name)
 
 
 def child_exit(server, worker):  # noqa: ARG001

@@ -121,6 +121,34 @@ def test_delivery_metrics_for_the_worker(app):
     assert get("webhook_receiver_dead_letters_total", labels) == 1
 
 
+def test_worker_attempts_are_counted_through_the_outcome_hooks(app):
+    from webhook_receiver.processing import registry
+    from webhook_receiver.processing.worker import AttemptOutcome
+
+    def attempt(outcome: str, n: int) -> AttemptOutcome:
+        return AttemptOutcome(
+            delivery_id=1,
+            event_id=1,
+            source="stripe-live",
+            consumer="crm",
+            kind="forward",
+            dedup_key="evt_1",
+            correlation_id=None,
+            attempt=n,
+            outcome=outcome,
+        )
+
+    for n, outcome in enumerate(["retry", "retry", "dead"], start=1):
+        for hook in registry.get(app).outcome_hooks:
+            hook(attempt(outcome, n))
+    parsed = samples(app.test_client().get("/metrics").get_data(as_text=True))
+    labels = {"source": "stripe-live", "consumer": "crm"}
+    attempts = "webhook_receiver_delivery_attempts_total"
+    assert value(parsed, attempts, **labels, outcome="retry") == 2
+    assert value(parsed, attempts, **labels, outcome="dead") == 1
+    assert value(parsed, "webhook_receiver_dead_letters_total", **labels) == 1
+
+
 def test_counting_and_scraping_never_touch_the_database(app, client):
     statements: list[str] = []
     with app.app_context():
@@ -221,3 +249,19 @@ def test_gunicorn_workers_counts_add_up_exactly(db_url, tmp_path):
         ), server.log()
         check(scrape())
     assert not prom.exists() or not list(prom.glob("gauge_live*"))
+
+
+def test_gunicorn_start_keeps_live_processes_files_only(tmp_path, monkeypatch):
+    import runpy
+
+    from .servers import ROOT
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    hooks = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+    for name in (f"counter_{os.getpid()}.db", f"counter_{dead}.db", f"histogram_{dead}.db"):
+        (tmp_path / name).write_bytes(b"")
+    hooks["on_starting"](None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"counter_{os.getpid()}.db"]
+    hooks["on_exit"](None)  # a directory it did not make is left alone
+    assert tmp_path.exists()

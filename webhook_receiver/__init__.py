@@ -89,6 +89,8 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     from . import processing
 
     processing.init_app(app)
+    # Delivery attempts reach the metrics through the registry's outcome hooks.
+    observability.metrics.watch_deliveries(app)
     return app
 
 

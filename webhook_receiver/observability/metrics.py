@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import os
 import time
+from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, request
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
@@ -192,6 +193,22 @@ def expose() -> Response:
     # newer one is asked for) or OpenMetrics.
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return Response(encode(registry), headers={"Content-Type": content_type})
+
+
+def watch_deliveries(app: Flask) -> None:
+    """Count the worker's attempts through the processing registry's outcome hooks."""
+    from ..processing import registry
+    from ..processing.deliveries import DEAD
+
+    m: Metrics = app.extensions[EXTENSION]
+
+    def on_attempt(outcome: Any) -> None:
+        source = outcome.source or "unknown"
+        m.delivery_attempts.labels(source, outcome.consumer, outcome.outcome).inc()
+        if outcome.outcome == DEAD:
+            m.dead_letters.labels(source, outcome.consumer).inc()
+
+    registry.get(app).outcome_hooks.append(on_attempt)
 
 
 def init_app(app: Flask) -> None:
