@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import click
 from flask import Flask, current_app
 from flask.cli import with_appcontext
-from sqlalchemy import Table, and_, delete, exists, false, not_, or_, select
+from sqlalchemy import CursorResult, Table, and_, delete, exists, false, not_, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from .config import FileConfig
@@ -139,7 +139,8 @@ def _purge_scope(
             statement = delete(table).where(table.c.id.in_(ids), *old)
             if blocked is not None:
                 statement = statement.where(not_(blocked))
-            deleted += db.session.execute(statement).rowcount
+            # A DELETE's result is a CursorResult; Session.execute is typed wider.
+            deleted += cast(CursorResult[Any], db.session.execute(statement)).rowcount
             db.session.commit()
         if len(rows) < batch_size:
             break
