@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .scenarios import EVENT_BODY
+from .scenarios import EVENT_BODY, GITHUB_BODY, WEBHOOK_CONFIG, _github_headers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUESTS = 1000
@@ -64,7 +64,10 @@ def _profile_db(db: str, url: str, out_dir: Path) -> None:
         {
             "SECRET_KEY": secrets.token_hex(32),
             "SQLALCHEMY_DATABASE_URI": url,
-            "RECEIVER_CONFIG": {"clients": {"bench": {"token": token}}},
+            "RECEIVER_CONFIG": {
+                "clients": {"bench": {"token": token}},
+                "sources": _sources(),
+            },
         }
     )
     with app.app_context():
@@ -80,20 +83,29 @@ def _profile_db(db: str, url: str, out_dir: Path) -> None:
             headers={"Authorization": f"Bearer {token}", "Idempotency-Key": key},
         ).status_code
 
+    def deliver(key: str) -> int:
+        return client.post(
+            "/webhooks/bench-github", data=GITHUB_BODY, headers=_github_headers(key)
+        ).status_code
+
     counts = _statements(engine)
     stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S}"
     with _stderr_to_devnull():
         for i in range(100):  # warm caches, pools and compiled statements
             assert post(f"warm-{i}") == 201
-        for kind, keys in (
-            ("unique", [f"unique-{i}" for i in range(REQUESTS)]),
-            ("replay", [f"unique-{i % 100}" for i in range(REQUESTS)]),
+        for i in range(100):
+            assert deliver(f"warm-{i}") == 200
+        for kind, send, keys in (
+            ("unique", post, [f"unique-{i}" for i in range(REQUESTS)]),
+            ("replay", post, [f"unique-{i % 100}" for i in range(REQUESTS)]),
+            ("webhook-unique", deliver, [f"unique-{i}" for i in range(REQUESTS)]),
+            ("webhook-redelivery", deliver, [f"unique-{i % 100}" for i in range(REQUESTS)]),
         ):
             counts.update(statements=0, commits=0)
             profiler = Profiler(interval=0.0005)
             profiler.start()
             for key in keys:
-                assert post(key) == 201
+                assert send(key) in (200, 201)
             profiler.stop()
             per = {k: v / len(keys) for k, v in counts.items()}
             text = profiler.output_text(unicode=True, color=False, show_all=False)
@@ -108,6 +120,12 @@ def _profile_db(db: str, url: str, out_dir: Path) -> None:
     with app.app_context():
         sa.session.remove()
         sa.engine.dispose()
+
+
+def _sources() -> dict:
+    import tomllib
+
+    return tomllib.loads(WEBHOOK_CONFIG)["sources"]
 
 
 def profile(pg_url: str | None) -> int:

@@ -87,38 +87,46 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
     """
     session = db.session
     for _ in range(5):
-        row = session.execute(
-            select(
-                _t.c.id,
-                _t.c.state,
-                _t.c.fingerprint,
-                _t.c.lease_expires_at,
-                _t.c.expires_at,
-                _t.c.response_status,
-                _t.c.response_headers,
-                _t.c.response_body,
-            ).where(_t.c.client == req.client, _t.c.key == req.key)
-        ).one_or_none()
+        row = (
+            session.connection()
+            .execute(
+                select(
+                    _t.c.id,
+                    _t.c.state,
+                    _t.c.fingerprint,
+                    _t.c.lease_expires_at,
+                    _t.c.expires_at,
+                    _t.c.response_status,
+                    _t.c.response_headers,
+                    _t.c.response_body,
+                ).where(_t.c.client == req.client, _t.c.key == req.key)
+            )
+            .one_or_none()
+        )
         end_read()
         token = secrets.token_hex(16)
         if row is None:
             commit_without_waiting_for_disk()
-            inserted = session.execute(
-                insert_ignoring_conflicts(_t, ["client", "key"])
-                .values(
-                    client=req.client,
-                    key=req.key,
-                    fingerprint=req.fingerprint,
-                    method=req.method,
-                    path=req.path,
-                    state=IN_PROGRESS,
-                    lease_token=token,
-                    lease_expires_at=now + lease,
-                    created_at=now,
-                    expires_at=now + ttl,
+            inserted = (
+                session.connection()
+                .execute(
+                    insert_ignoring_conflicts(_t, ["client", "key"])
+                    .values(
+                        client=req.client,
+                        key=req.key,
+                        fingerprint=req.fingerprint,
+                        method=req.method,
+                        path=req.path,
+                        state=IN_PROGRESS,
+                        lease_token=token,
+                        lease_expires_at=now + lease,
+                        created_at=now,
+                        expires_at=now + ttl,
+                    )
+                    .returning(_t.c.id)
                 )
-                .returning(_t.c.id)
-            ).scalar()
+                .scalar()
+            )
             session.commit()
             if inserted is not None:
                 return Claimed(inserted, token)
@@ -146,7 +154,7 @@ def _take_over(
     # One conditional UPDATE: it matches only while the record is still
     # expired or abandoned, so two requests cannot both take it over.
     commit_without_waiting_for_disk()
-    result = db.session.execute(
+    result = db.session.connection().execute(
         update(_t)
         .where(
             _t.c.id == record_id,
@@ -185,7 +193,7 @@ def hold(claimed: Claimed) -> None:
     """
     if not is_sqlite():
         return
-    result = db.session.execute(
+    result = db.session.connection().execute(
         update(_t)
         .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
         .values(state=IN_PROGRESS)
@@ -198,7 +206,7 @@ def complete(
     claimed: Claimed, status: int, headers: list[list[str]], body: bytes, now: datetime
 ) -> None:
     """Save the response in the current transaction; raise LeaseLost if the lease was lost."""
-    result = db.session.execute(
+    result = db.session.connection().execute(
         update(_t)
         .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
         .values(
@@ -217,7 +225,7 @@ def complete(
 
 def release(claimed: Claimed) -> None:
     """Give the key back after a failure, so that a retry runs again."""
-    db.session.execute(
+    db.session.connection().execute(
         delete(_t).where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
     )
     db.session.commit()

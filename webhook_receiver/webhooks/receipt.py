@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import bindparam, insert, update
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
 from ..database import end_read, is_sqlite
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..models import Event, EventConflict, EventDuplicate, Rejection, utcnow
+from ..models import Event, EventConflict, EventDuplicate, Rejection, UTCDateTime, utcnow
 from ..observability import metrics
 from ..problems import Problem
 from .providers import (
@@ -141,39 +141,48 @@ def _store(
 ) -> Receipt:
     session = db.session
     key = identified.dedup_key
+    # Everything is prepared before the first write: on SQLite the write
+    # lock is held from it to the commit, and every writer waits meanwhile.
+    values = {
+        "source": source.name,
+        "dedup_key": key,
+        "event_type": identified.event_type,
+        "fingerprint": print_,
+        "content_type": content_type or None,
+        "body": body,
+        "headers": events.redact_headers(headers.items(), redacted_headers(source)),
+        "meta": identified.meta,
+        "correlation_id": correlation.current(),
+        "duplicate_count": 0,
+    }
     for _ in range(3):
-        existing = events.find_by_key(source.name, key)
-        end_read()
-        now = utcnow()
-        if existing is None:
-            event_id = events.insert_event(
-                {
-                    "source": source.name,
-                    "dedup_key": key,
-                    "event_type": identified.event_type,
-                    "fingerprint": print_,
-                    "content_type": content_type or None,
-                    "body": body,
-                    "headers": events.redact_headers(headers.items(), redacted_headers(source)),
-                    "meta": identified.meta,
-                    "correlation_id": correlation.current(),
-                    "received_at": now,
-                    "duplicate_count": 0,
-                }
-            )
-            if event_id is None:
-                session.rollback()
-                continue  # a concurrent copy won the insert: it is ours to count
+        now = values["received_at"] = utcnow()
+        conn = session.connection()
+        # A redelivery is counted by the statement that finds it: one write,
+        # first in its transaction (which SQLite needs), no read-modify-write.
+        duplicate_of = conn.execute(
+            _COUNT_DUPLICATE,
+            {"b_source": source.name, "b_key": key, "b_fingerprint": print_, "b_now": now},
+        ).scalar()
+        if duplicate_of is not None:
+            conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": now})
+            session.commit()
+            _log("duplicate", source, key, duplicate_of)
+            metrics.duplicate(source.name)
+            return Receipt("duplicate", accepted_body(duplicate_of), duplicate_of)
+        event_id = events.insert_event(values)
+        if event_id is not None:
             session.commit()
             _log("accepted", source, key, event_id)
             metrics.received(source.name)
             return Receipt("accepted", accepted_body(event_id), event_id)
-        if existing.fingerprint == print_:
-            _count_duplicate(existing.id, now)
-            session.commit()
-            _log("duplicate", source, key, existing.id)
-            metrics.duplicate(source.name)
-            return Receipt("duplicate", accepted_body(existing.id), existing.id)
+        # The key is taken: by other content, or by a copy that committed
+        # since our count found nothing (then the next round counts it).
+        session.rollback()
+        existing = events.find_by_key(source.name, key)
+        end_read()
+        if existing is None or existing.fingerprint == print_:
+            continue
         _keep_conflict(existing.id, source, key, print_, body, content_type, headers, now)
         session.commit()
         log.error(
@@ -196,15 +205,21 @@ def _store(
     raise RuntimeError("receipt did not settle")  # pragma: no cover
 
 
-def _count_duplicate(event_id: int, now: datetime) -> None:
-    # One UPDATE increments in the database: concurrent duplicates never
-    # lose a count to a read-modify-write race.
-    db.session.execute(
-        update(_events)
-        .where(_events.c.id == event_id)
-        .values(duplicate_count=_events.c.duplicate_count + 1, last_duplicate_at=now)
+# Built once: constructing statements costs more Python than running them.
+_COUNT_DUPLICATE = (
+    update(_events)
+    .where(
+        _events.c.source == bindparam("b_source"),
+        _events.c.dedup_key == bindparam("b_key"),
+        _events.c.fingerprint == bindparam("b_fingerprint"),
     )
-    db.session.execute(insert(_duplicates).values(event_id=event_id, received_at=now))
+    .values(
+        duplicate_count=_events.c.duplicate_count + 1,
+        last_duplicate_at=bindparam("b_now", type_=UTCDateTime()),
+    )
+    .returning(_events.c.id)
+)
+_RECORD_DUPLICATE = insert(_duplicates)
 
 
 def _keep_conflict(
