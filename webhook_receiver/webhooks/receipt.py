@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, insert, update
+from sqlalchemy import bindparam, insert, select, update
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
@@ -160,12 +160,15 @@ def _store(
         conn = session.connection()
         # A redelivery is counted by the statement that finds it: one write,
         # first in its transaction (which SQLite needs), no read-modify-write.
-        duplicate_of = conn.execute(
-            _COUNT_DUPLICATE,
-            {"b_source": source.name, "b_key": key, "b_fingerprint": print_, "b_now": now},
-        ).scalar()
+        params = {"b_source": source.name, "b_key": key, "b_fingerprint": print_, "b_now": now}
+        if is_sqlite():
+            duplicate_of = conn.execute(_COUNT_DUPLICATE, params).scalar()
+            if duplicate_of is not None:
+                conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": now})
+        else:
+            # PostgreSQL counts and records the redelivery in one round trip.
+            duplicate_of = conn.execute(_COUNT_AND_RECORD_DUPLICATE, params).scalar()
         if duplicate_of is not None:
-            conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": now})
             session.commit()
             _log("duplicate", source, key, duplicate_of)
             metrics.duplicate(source.name)
@@ -220,6 +223,16 @@ _COUNT_DUPLICATE = (
     .returning(_events.c.id)
 )
 _RECORD_DUPLICATE = insert(_duplicates)
+_counted = _COUNT_DUPLICATE.cte("counted")
+_COUNT_AND_RECORD_DUPLICATE = (
+    insert(_duplicates)
+    .from_select(
+        ["event_id", "received_at"],
+        select(_counted.c.id, bindparam("b_now", type_=UTCDateTime())),
+    )
+    .add_cte(_counted)
+    .returning(_duplicates.c.event_id)
+)
 
 
 def _keep_conflict(
