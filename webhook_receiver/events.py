@@ -36,8 +36,13 @@ def insert_event(values: dict[str, Any]) -> int | None:
     """
     event_id = db.session.connection().execute(_insert_statement(), values).scalar()
     if event_id is not None:
-        outbox.enqueue(event_id, values["source"], values.get("event_type"), values["received_at"])
+        enqueue_deliveries(event_id, values)
     return event_id
+
+
+def enqueue_deliveries(event_id: int, values: dict[str, Any]) -> None:
+    """Write a fresh event's deliveries in its transaction (the outbox)."""
+    outbox.enqueue(event_id, values["source"], values.get("event_type"), values["received_at"])
 
 
 _INSERTS: dict[str, Any] = {}

@@ -165,15 +165,23 @@ def _store(
             duplicate_of = conn.execute(_COUNT_DUPLICATE, params).scalar()
             if duplicate_of is not None:
                 conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": now})
+                event_id = None
+            else:
+                event_id = events.insert_event(values)
         else:
-            # PostgreSQL counts and records the redelivery in one round trip.
-            duplicate_of = conn.execute(_COUNT_AND_RECORD_DUPLICATE, params).scalar()
+            # PostgreSQL does all three in one round trip: count a redelivery,
+            # record when it came, or else insert the event.
+            row = conn.execute(
+                _receive_statement(), {**params, **{f"v_{k}": v for k, v in values.items()}}
+            ).one()
+            duplicate_of, event_id = row.duplicate_of, row.event_id
+            if event_id is not None:
+                events.enqueue_deliveries(event_id, values)
         if duplicate_of is not None:
             session.commit()
             _log("duplicate", source, key, duplicate_of)
             metrics.duplicate(source.name)
             return Receipt("duplicate", accepted_body(duplicate_of), duplicate_of)
-        event_id = events.insert_event(values)
         if event_id is not None:
             session.commit()
             _log("accepted", source, key, event_id)
@@ -223,16 +231,63 @@ _COUNT_DUPLICATE = (
     .returning(_events.c.id)
 )
 _RECORD_DUPLICATE = insert(_duplicates)
-_counted = _COUNT_DUPLICATE.cte("counted")
-_COUNT_AND_RECORD_DUPLICATE = (
-    insert(_duplicates)
-    .from_select(
-        ["event_id", "received_at"],
-        select(_counted.c.id, bindparam("b_now", type_=UTCDateTime())),
-    )
-    .add_cte(_counted)
-    .returning(_duplicates.c.event_id)
+
+_EVENT_COLUMNS = (
+    "source",
+    "dedup_key",
+    "event_type",
+    "fingerprint",
+    "content_type",
+    "body",
+    "headers",
+    "meta",
+    "correlation_id",
+    "duplicate_count",
+    "received_at",
 )
+_RECEIVE: list[Any] = []
+
+
+def _receive_statement() -> Any:
+    """PostgreSQL's one-statement receipt, built on first use.
+
+    ``counted`` increments a redelivery with the same content; ``recorded``
+    notes its time; ``inserted`` stores the event only when nothing was
+    counted, and does nothing if the key exists (other content, or a copy
+    committed meanwhile: the caller sorts those out). All three see one
+    snapshot, and the unique constraint still decides races.
+    """
+    if not _RECEIVE:
+        from sqlalchemy import exists
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        counted = _COUNT_DUPLICATE.cte("counted")
+        recorded = (
+            insert(_duplicates)
+            .from_select(
+                ["event_id", "received_at"],
+                select(counted.c.id, bindparam("b_now", type_=UTCDateTime())),
+            )
+            .returning(_duplicates.c.event_id)
+            .cte("recorded")
+        )
+        new_row = select(
+            *[bindparam(f"v_{name}", type_=_events.c[name].type) for name in _EVENT_COLUMNS]
+        ).where(~exists(select(counted.c.id)))
+        inserted = (
+            pg_insert(_events)
+            .from_select(list(_EVENT_COLUMNS), new_row)
+            .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
+            .returning(_events.c.id)
+            .cte("inserted")
+        )
+        _RECEIVE.append(
+            select(
+                select(recorded.c.event_id).scalar_subquery().label("duplicate_of"),
+                select(inserted.c.id).scalar_subquery().label("event_id"),
+            )
+        )
+    return _RECEIVE[0]
 
 
 def _keep_conflict(
