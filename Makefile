@@ -26,7 +26,9 @@ run: $(VENV)/.installed instance/config.toml instance/secret_key
 	SECRET_KEY=$$(cat instance/secret_key) $(VENV)/bin/flask --app wsgi db upgrade
 	# One worker beside gunicorn processes the deliveries; it stops (after
 	# its current delivery) when gunicorn does.
-	export SECRET_KEY=$$(cat instance/secret_key); \
+	# Both share one metrics directory, so /metrics shows the worker's counts.
+	mkdir -p instance/metrics
+	export SECRET_KEY=$$(cat instance/secret_key) PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics; \
 	$(VENV)/bin/flask --app wsgi worker & worker=$$!; \
 	trap 'kill $$worker 2>/dev/null; wait $$worker' EXIT; \
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app
