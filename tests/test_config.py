@@ -343,3 +343,30 @@ def test_trusted_proxies_set_the_client_address(make_app):
     plain.add_url_rule("/whoami-test", view_func=whoami)
     plain.test_client().get("/whoami-test", headers={"X-Forwarded-For": "203.0.113.9"})
     assert seen == ["203.0.113.9", "127.0.0.1"]
+
+
+def test_transaction_pooler_turns_off_prepared_statements():
+    """Behind pgbouncer in transaction mode psycopg must not prepare statements."""
+    from webhook_receiver.database import engine_options
+
+    url = "postgresql+psycopg://u@h/db"
+    assert "prepare_threshold" not in engine_options(url)["connect_args"]
+    assert engine_options(url, transaction_pooler=True)["connect_args"] == {
+        "connect_timeout": 5,
+        "prepare_threshold": None,
+    }
+
+
+def test_transaction_pooler_setting_reaches_the_engine(monkeypatch):
+    from webhook_receiver import create_app
+
+    monkeypatch.setenv("WEBHOOK_RECEIVER_TRANSACTION_POOLER", "true")
+    app = create_app(
+        {
+            "TESTING": True,
+            "SQLALCHEMY_DATABASE_URI": "postgresql://u@127.0.0.1:1/db",
+            "RECEIVER_CONFIG": {},
+        }
+    )
+    options = app.config["SQLALCHEMY_ENGINE_OPTIONS"]
+    assert options["connect_args"]["prepare_threshold"] is None

@@ -46,7 +46,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         # A failed statement's message would otherwise carry its parameters
         # (bodies, headers) into the logs.
         "hide_parameters": True,
-        **engine_options(uri),
+        **engine_options(uri, transaction_pooler=bool(app.config["TRANSACTION_POOLER"])),
         **app.config["SQLALCHEMY_ENGINE_OPTIONS"],
     }
     proxies = int(app.config["TRUSTED_PROXIES"])

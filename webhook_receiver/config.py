@@ -44,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
     # How many reverse proxies in front set X-Forwarded-For/-Proto; 0 trusts
     # none. Login throttling and logs use the client address they give.
     "TRUSTED_PROXIES": 0,
+    # Connections go through pgbouncer in transaction mode (see docs/scaling.md).
+    "TRANSACTION_POOLER": False,
     # The admin's knobs.
     "ADMIN_SESSION_HOURS": 12,
     "ADMIN_LOGIN_MAX_FAILURES": 5,

@@ -24,14 +24,22 @@ from .extensions import db
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 
-def engine_options(uri: str) -> dict[str, Any]:
-    """Return the engine options that suit the database behind ``uri``."""
+def engine_options(uri: str, *, transaction_pooler: bool = False) -> dict[str, Any]:
+    """Return the engine options that suit the database behind ``uri``.
+
+    ``transaction_pooler``: connections go through pgbouncer (or another
+    pooler) in transaction mode, where server-side prepared statements
+    would meet another client's session; psycopg must not prepare any.
+    """
     if uri.startswith("sqlite"):
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}}
     if uri.startswith("postgresql"):
         # Refuse fast when the server is unreachable, so callers get a 503
         # rather than hanging until the load balancer gives up.
-        return {"connect_args": {"connect_timeout": 5}, "pool_size": 5, "max_overflow": 5}
+        connect_args: dict[str, Any] = {"connect_timeout": 5}
+        if transaction_pooler:
+            connect_args["prepare_threshold"] = None
+        return {"connect_args": connect_args, "pool_size": 5, "max_overflow": 5}
     return {}
 
 
