@@ -370,3 +370,35 @@ def test_transaction_pooler_setting_reaches_the_engine(monkeypatch):
     )
     options = app.config["SQLALCHEMY_ENGINE_OPTIONS"]
     assert options["connect_args"]["prepare_threshold"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("MAX_BODY_BYTES", "abc", "WEBHOOK_RECEIVER_MAX_BODY_BYTES must be an integer, got 'abc'"),
+        ("WORKER_POLL_SECONDS", "soon", "WEBHOOK_RECEIVER_WORKER_POLL_SECONDS must be a number"),
+        ("PURGE_BATCH_SIZE", "0", "WEBHOOK_RECEIVER_PURGE_BATCH_SIZE must be at least 1"),
+    ],
+)
+def test_bad_numeric_settings_name_the_setting(monkeypatch, name, value, message):
+    from webhook_receiver import create_app
+    from webhook_receiver.config import ConfigError
+
+    monkeypatch.setenv(f"WEBHOOK_RECEIVER_{name}", value)
+    with pytest.raises(ConfigError, match=message):
+        create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+
+
+def test_api_retention_must_outlive_idempotency_keys():
+    from webhook_receiver import create_app
+    from webhook_receiver.config import ConfigError
+
+    with pytest.raises(ConfigError, match="API events must outlive their keys"):
+        create_app(
+            {
+                "TESTING": True,
+                "RECEIVER_CONFIG": {},
+                "API_RETENTION_DAYS": 1,
+                "IDEMPOTENCY_TTL_SECONDS": 2 * 86400,
+            }
+        )

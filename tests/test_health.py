@@ -16,7 +16,11 @@ def test_healthz_answers_while_the_process_runs(client):
 def test_readyz_answers_200_when_the_database_answers(client):
     response = client.get("/readyz")
     assert response.status_code == 200
-    assert response.get_json() == {"status": "ready"}
+    from webhook_receiver.health import _migration_head
+
+    head = _migration_head(client.application.extensions["migrate"].directory)
+    assert response.get_json() == {"status": "ready", "schema": head}
+    assert head is not None
 
 
 def test_probes_need_no_credentials_and_take_no_writes(client):
@@ -70,3 +74,34 @@ def test_problem_types_are_described(client):
     assert response.status_code == 200
     assert response.get_json()["status"] == 503
     assert client.get("/problems/no-such-problem").status_code == 404
+
+
+def test_readyz_refuses_a_database_without_the_current_schema(make_app, db_url):
+    """A reachable database at an older (or no) revision is not ready."""
+    from sqlalchemy import text
+
+    from webhook_receiver.extensions import db
+
+    app = make_app()
+    client = app.test_client()
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    head = ready.get_json()["schema"]
+    with app.app_context():
+        db.session.execute(text("UPDATE alembic_version SET version_num = '0001'"))
+        db.session.commit()
+    stale = client.get("/readyz")
+    assert stale.status_code == 503
+    assert stale.mimetype == "application/problem+json"
+    assert "run the migrations" in stale.get_json()["detail"]
+    with app.app_context():
+        db.session.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": head})
+        db.session.commit()
+    assert client.get("/readyz").status_code == 200
+
+
+def test_readyz_refuses_an_empty_sqlite_file(make_app, tmp_path):
+    app = make_app(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path / 'empty.sqlite3'}")
+    response = app.test_client().get("/readyz")
+    assert response.status_code == 503
+    assert response.get_json()["type"] == "/problems/database-unavailable"

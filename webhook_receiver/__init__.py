@@ -33,6 +33,7 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     if test_config is not None:
         app.config.from_mapping(test_config)
 
+    cfg.check_settings(app.config)
     _load_file_config(app)
     _check_secret_key(app)
     _check_retention(app)
@@ -121,6 +122,13 @@ def _check_secret_key(app: Flask) -> None:
 
 
 def _check_retention(app: Flask) -> None:
+    api_seconds = app.config["API_RETENTION_DAYS"] * 86400
+    if api_seconds < app.config["IDEMPOTENCY_TTL_SECONDS"]:
+        # A replay would then answer with the id of an event already purged.
+        raise cfg.ConfigError(
+            "WEBHOOK_RECEIVER_API_RETENTION_DAYS is shorter than "
+            "WEBHOOK_RECEIVER_IDEMPOTENCY_TTL_SECONDS: API events must outlive their keys"
+        )
     if app.config["FORCE_SHORT_RETENTION"]:
         return
     file_config: cfg.FileConfig = app.config["FILE_CONFIG"]

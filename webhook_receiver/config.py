@@ -71,6 +71,48 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message names what and where."""
 
 
+# Numeric settings: (type, smallest allowed value).
+NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
+    "MAX_BODY_BYTES": (int, 1),
+    "IDEMPOTENCY_LEASE_SECONDS": (int, 1),
+    "IDEMPOTENCY_TTL_SECONDS": (int, 1),
+    "PURGE_BATCH_SIZE": (int, 1),
+    "API_RETENTION_DAYS": (int, 1),
+    "DEFAULT_RETENTION_DAYS": (int, 1),
+    "TRUSTED_PROXIES": (int, 0),
+    "ADMIN_SESSION_HOURS": (float, 0.01),
+    "ADMIN_LOGIN_MAX_FAILURES": (int, 1),
+    "ADMIN_LOGIN_WINDOW_SECONDS": (int, 1),
+    "ADMIN_PAGE_SIZE": (int, 1),
+    "WORKER_LEASE_SECONDS": (float, 0.1),
+    "WORKER_POLL_SECONDS": (float, 0.001),
+    "WORKER_MAX_ATTEMPTS": (int, 1),
+    "WORKER_BACKOFF_BASE_SECONDS": (float, 0),
+    "WORKER_BACKOFF_MAX_SECONDS": (float, 0),
+    "WORKER_RETRY_AFTER_MAX_SECONDS": (float, 0),
+}
+
+
+def check_settings(config: dict[str, Any]) -> None:
+    """Coerce the numeric settings in place, or say which one is wrong and how."""
+    for name, (kind, smallest) in NUMERIC_SETTINGS.items():
+        if name not in config:
+            continue
+        value = config[name]
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"WEBHOOK_RECEIVER_{name} must be a{'n integer' if kind is int else ' number'}, "
+                f"got {value!r}"
+            ) from None
+        if number < smallest:
+            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
+        config[name] = number
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """One ``[clients.<name>]`` table: an API client and its bearer token."""
