@@ -14,8 +14,13 @@ def enqueue(event_id: int, source: str, event_type: str | None, now: datetime) -
     same transaction: the event and its deliveries commit together or not
     at all, so no event is stored without its work, nor work without it.
     """
-    consumers = registry.get().for_event(source, event_type)
+    consumers = consumers_for(source, event_type)
     deliveries.enqueue(
-        [{"event_id": event_id, "consumer": c.name, "kind": c.kind} for c in consumers], now
+        [{"event_id": event_id, "consumer": name, "kind": kind} for name, kind in consumers], now
     )
     return len(consumers)
+
+
+def consumers_for(source: str, event_type: str | None) -> list[tuple[str, str]]:
+    """The (name, kind) of each consumer that gets a delivery of a new event."""
+    return [(c.name, c.kind) for c in registry.get().for_event(source, event_type)]

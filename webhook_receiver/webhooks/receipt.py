@@ -1,10 +1,11 @@
 """Receiving one provider delivery: verify, identify, then store once.
 
 The event row is the dedup marker: its unique (source, dedup key)
-constraint decides between racing copies. A redelivery is read first (the
-common case under retry storms, and cheaper than a failed insert), and its
-duplicate count goes up in the same statement that reads it back, never by
-read-modify-write.
+constraint decides between racing copies. A redelivery with the same
+content is found and counted by one UPDATE (no read-modify-write); only
+when nothing was counted is the event inserted. On PostgreSQL all of it,
+and the new event's deliveries, is one statement in its own transaction:
+one round trip, committed before the answer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import true as literal_true
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
@@ -25,6 +27,7 @@ from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, 
 from ..models import Event, EventConflict, EventDuplicate, Rejection, UTCDateTime, utcnow
 from ..observability import metrics
 from ..problems import Problem
+from ..processing import deliveries, outbox
 from .providers import (
     Identified,
     Inbound,
@@ -157,26 +160,11 @@ def _store(
     }
     for _ in range(3):
         now = values["received_at"] = utcnow()
-        conn = session.connection()
-        # A redelivery is counted by the statement that finds it: one write,
-        # first in its transaction (which SQLite needs), no read-modify-write.
         params = {"b_source": source.name, "b_key": key, "b_fingerprint": print_, "b_now": now}
         if is_sqlite():
-            duplicate_of = conn.execute(_COUNT_DUPLICATE, params).scalar()
-            if duplicate_of is not None:
-                conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": now})
-                event_id = None
-            else:
-                event_id = events.insert_event(values)
+            duplicate_of, event_id = _receive_in_transaction(params, values)
         else:
-            # PostgreSQL does all three in one round trip: count a redelivery,
-            # record when it came, or else insert the event.
-            row = conn.execute(
-                _receive_statement(), {**params, **{f"v_{k}": v for k, v in values.items()}}
-            ).one()
-            duplicate_of, event_id = row.duplicate_of, row.event_id
-            if event_id is not None:
-                events.enqueue_deliveries(event_id, values)
+            duplicate_of, event_id = _receive_in_one_statement(params, values)
         if duplicate_of is not None:
             session.commit()
             _log("duplicate", source, key, duplicate_of)
@@ -248,26 +236,69 @@ _EVENT_COLUMNS = (
 _RECEIVE: list[Any] = []
 
 
+def _receive_in_transaction(
+    params: dict[str, Any], values: dict[str, Any]
+) -> tuple[int | None, int | None]:
+    """SQLite: count a redelivery, or else insert the event, in the session's transaction.
+
+    The count is a write and comes first, as SQLite needs (see database.py):
+    the redelivery is found and counted by one statement, no read-modify-write.
+    The caller commits. Returns as ``_receive_in_one_statement`` does.
+    """
+    conn = db.session.connection()
+    duplicate_of = conn.execute(_COUNT_DUPLICATE, params).scalar()
+    if duplicate_of is not None:
+        conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": params["b_now"]})
+        return duplicate_of, None
+    return None, events.insert_event(values)
+
+
+def _receive_in_one_statement(
+    params: dict[str, Any], values: dict[str, Any]
+) -> tuple[int | None, int | None]:
+    """PostgreSQL: receive in one statement, its own transaction, one round trip.
+
+    Returns (the id of the event this duplicates, the id of the new event);
+    both None when the key is taken by other content or by a copy committed
+    meanwhile. Running outside an explicit transaction saves the BEGIN and
+    COMMIT round trips: the statement commits durably before it returns, so
+    the 2xx that follows still comes after the commit.
+    """
+    consumers = outbox.consumers_for(values["source"], values["event_type"])
+    bind = {
+        **params,
+        **{f"v_{name}": value for name, value in values.items()},
+        "v_consumers": [name for name, _ in consumers],
+        "v_kinds": [kind for _, kind in consumers],
+        "v_pending": deliveries.PENDING,
+    }
+    with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        row = conn.execute(_receive_statement(), bind).one()
+    return row.duplicate_of, row.event_id
+
+
 def _receive_statement() -> Any:
     """PostgreSQL's one-statement receipt, built on first use.
 
     ``counted`` increments a redelivery with the same content; ``recorded``
     notes its time; ``inserted`` stores the event only when nothing was
     counted, and does nothing if the key exists (other content, or a copy
-    committed meanwhile: the caller sorts those out). All three see one
-    snapshot, and the unique constraint still decides races.
+    committed meanwhile: the caller sorts those out); ``enqueued`` writes
+    the new event's deliveries (the outbox). All of them see one snapshot
+    and commit together; the unique constraint still decides races.
     """
     if not _RECEIVE:
-        from sqlalchemy import exists
+        from sqlalchemy import String, exists, func
+        from sqlalchemy.dialects.postgresql import ARRAY
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+        from ..models import Delivery
+
+        now = bindparam("b_now", type_=UTCDateTime())
         counted = _COUNT_DUPLICATE.cte("counted")
         recorded = (
             insert(_duplicates)
-            .from_select(
-                ["event_id", "received_at"],
-                select(counted.c.id, bindparam("b_now", type_=UTCDateTime())),
-            )
+            .from_select(["event_id", "received_at"], select(counted.c.id, now))
             .returning(_duplicates.c.event_id)
             .cte("recorded")
         )
@@ -281,10 +312,43 @@ def _receive_statement() -> Any:
             .returning(_events.c.id)
             .cte("inserted")
         )
+        wanted = func.unnest(
+            bindparam("v_consumers", type_=ARRAY(String())),
+            bindparam("v_kinds", type_=ARRAY(String())),
+        ).table_valued("consumer", "kind").render_derived(name="wanted")
+        _deliveries = Delivery.__table__
+        enqueued = (
+            insert(_deliveries)
+            .from_select(
+                [
+                    "event_id",
+                    "consumer",
+                    "kind",
+                    "state",
+                    "attempts",
+                    "next_attempt_at",
+                    "created_at",
+                    "updated_at",
+                ],
+                select(
+                    inserted.c.id,
+                    wanted.c.consumer,
+                    wanted.c.kind,
+                    bindparam("v_pending", type_=String()),
+                    0,
+                    now,
+                    now,
+                    now,
+                ).select_from(inserted.join(wanted, literal_true())),
+            )
+            .returning(_deliveries.c.id)
+            .cte("enqueued")
+        )
         _RECEIVE.append(
             select(
                 select(recorded.c.event_id).scalar_subquery().label("duplicate_of"),
                 select(inserted.c.id).scalar_subquery().label("event_id"),
+                select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
             )
         )
     return _RECEIVE[0]
