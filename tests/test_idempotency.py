@@ -79,6 +79,14 @@ def make_test_blueprint() -> Blueprint:
         calls.append("problem")
         raise Problem("invalid-event", "nope")
 
+    @bp.post("/t/write-then-problem")
+    @require_client
+    @idempotent
+    def write_then_problem():
+        calls.append("write-then-problem")
+        _write_event("partial")
+        raise Problem("invalid-event", "refused after a write")
+
     @bp.post("/t/abort")
     @require_client
     @idempotent
@@ -301,3 +309,14 @@ def test_same_key_two_clients_two_records(app, client):
     assert b.get_json() == {"client": "globex"}
     assert calls == ["acme", "globex"]
     assert record(app, client="acme").id != record(app, client="globex").id
+
+
+def test_a_view_that_writes_then_refuses_keeps_none_of_its_writes(app, client):
+    first = post(client, "/t/write-then-problem")
+    assert first.status_code == 400
+    assert events(app) == 0
+    again = post(client, "/t/write-then-problem")
+    assert again.status_code == 400
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert calls == ["write-then-problem"]
+    assert events(app) == 0

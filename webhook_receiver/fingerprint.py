@@ -110,13 +110,6 @@ def canonical_json(value: Any) -> bytes:
         raise JSONError("JSON string holds a lone surrogate (\\uD800-\\uDFFF)") from exc
 
 
-def canonical_body(body: bytes, parsed: Any = None, *, is_json: bool = False) -> bytes:
-    """Return the bytes a fingerprint covers: canonical JSON when it is JSON, else the raw body."""
-    if is_json:
-        return canonical_json(parsed)
-    return body
-
-
 def fingerprint(parts: Iterable[bytes | str]) -> str:
     """SHA-256 over length-prefixed parts, so that no two part lists collide."""
     digest = hashlib.sha256()

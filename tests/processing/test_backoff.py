@@ -48,3 +48,9 @@ def test_retry_after_reads_seconds_and_http_dates():
 )
 def test_retryable_statuses(status, retryable):
     assert is_retryable_status(status) is retryable
+
+
+def test_retry_after_with_non_ascii_digits_is_ignored_not_a_crash():
+    now = datetime(2026, 12, 2, tzinfo=UTC)
+    assert parse_retry_after("\u00b2", now) is None
+    assert parse_retry_after("\u0663", now) is None  # ARABIC-INDIC DIGIT THREE

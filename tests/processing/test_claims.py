@@ -116,3 +116,19 @@ def test_needing_attention_lists_dead_and_long_stuck(make_app, clock):
         db.session.rollback()
     assert got == [(dead_id, "dead"), (stuck_id, "pending")]
     assert fresh_id not in [e for e, _ in got]
+
+
+def test_requeue_leaves_a_delivery_a_worker_has_just_claimed(make_app, clock):
+    """The operator saw it stuck; a worker claimed it since: the requeue must not undo that."""
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        stuck = deliveries.claim_next(clock(), LEASE)
+        clock.advance(LEASE.total_seconds() + 1)  # the first holder died
+        fresh = deliveries.claim_next(clock(), LEASE)  # taken over in the meantime
+        assert fresh.id == stuck.id
+        assert deliveries.requeue([stuck.id], clock()) == 0
+        db.session.commit()
+        assert deliveries.mark_delivered(fresh, clock(), 200)
+        db.session.commit()
+    assert delivery(app, event_id, "billing")["state"] == "delivered"

@@ -168,6 +168,19 @@ def test_connection_refused_is_retried(make_app, downstream, clock, make_worker)
     assert row["response_status"] is None
 
 
+def test_a_token_in_the_forward_url_stays_out_of_the_stored_error(
+    make_app, downstream, clock, make_worker
+):
+    url = f"http://127.0.0.1:{free_port()}/hooks?token=s3cr3t-value"
+    app = _app(make_app, downstream, forward("billing", url))
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    error = delivery(app, event_id, "billing")["last_error"]
+    assert error.startswith("ConnectionError: ")
+    assert "s3cr3t-value" not in error
+    assert "[redacted]" in error
+
+
 def test_timeout_is_retried(make_app, downstream, clock, make_worker):
     app = _app(
         make_app, downstream, forward("billing", downstream.url + "/billing", timeout_seconds=0.2)

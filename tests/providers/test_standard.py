@@ -191,3 +191,12 @@ def test_identify_type_and_missing_id() -> None:
     assert (ident.dedup_key, ident.event_type) == ("msg_11", "invoice.paid")
     with pytest.raises(MissingKeyError):
         P.identify(inbound(BODY, {"webhook-signature": sig}), source("standard", SECRET))
+
+
+@pytest.mark.parametrize("stamp", ["1000000000000", "99999999999999999999"])
+def test_timestamps_no_clock_can_hold_are_refused_not_a_crash(stamp):
+    """A forged far-future timestamp is a 401, never a 500."""
+    body = VEC_PAYLOAD
+    headers = {"webhook-id": VEC_ID, "webhook-timestamp": stamp, "webhook-signature": VEC_SIGNATURE}
+    with pytest.raises(SignatureError):
+        P.verify(inbound(body, headers, now=VEC_TS), source("standard", VEC_SECRET))

@@ -147,6 +147,10 @@ def _execute(
             # 4xx problems and HTTP errors are results worth replaying;
             # anything else re-raises and releases the key below.
             rv = current_app.handle_user_exception(exc)
+            # A view that raised keeps none of its writes: only the answer
+            # is saved (the lock is taken again where SQLite needs it).
+            session.rollback()
+            records.hold(claimed)
         response = current_app.make_response(rv)
         if response.status_code >= 500:
             session.rollback()

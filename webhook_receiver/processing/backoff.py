@@ -48,7 +48,8 @@ def parse_retry_after(value: str | None, now: datetime) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    # ASCII only: str.isdigit() also accepts digits float() refuses ("²").
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = parsedate_to_datetime(value)

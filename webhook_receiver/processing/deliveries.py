@@ -38,7 +38,7 @@ MAX_ERROR = 2000
 
 
 def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
-    """Put dead (or failed, or stuck) deliveries back in the queue, keeping their key.
+    """Put dead, failed or stuck (lease expired) deliveries back in the queue, keeping their key.
 
     Attempts restart from zero so the retry budget is whole again; the
     Idempotency-Key sent downstream is derived from the event and consumer,
@@ -50,7 +50,9 @@ def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
         return 0
     result = db.session.execute(
         update(_t)
-        .where(_t.c.id.in_(ids), _t.c.state.in_([DEAD, PENDING, IN_PROGRESS]))
+        # The test is in the UPDATE itself: a delivery a worker claimed since
+        # the operator looked (a live lease) is left alone.
+        .where(_t.c.id.in_(ids), _requeueable(now))
         .values(
             state=PENDING,
             attempts=0,
@@ -61,6 +63,17 @@ def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
         )
     )
     return _rowcount(result)
+
+
+def _requeueable(now: datetime) -> ColumnElement[bool]:
+    return or_(
+        _t.c.state == DEAD,
+        and_(_t.c.state == PENDING, _t.c.attempts > 0),
+        and_(
+            _t.c.state == IN_PROGRESS,
+            or_(_t.c.lease_expires_at.is_(None), _t.c.lease_expires_at <= now),
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import requests
 
@@ -90,9 +90,10 @@ def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Out
             stream=True,
         )
     except requests.Timeout as exc:
-        return Result(ok=False, retryable=True, error=f"timeout: {exc}")
+        return Result(ok=False, retryable=True, error=_without_query(f"timeout: {exc}", forward))
     except requests.RequestException as exc:
-        return Result(ok=False, retryable=True, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        return Result(ok=False, retryable=True, error=_without_query(error, forward))
     with response:
         status = response.status_code
         snippet = _read_some(response)
@@ -122,3 +123,12 @@ def _read_some(response: requests.Response) -> bytes:
     except requests.RequestException:
         pass  # the status is what counts; the body was only for the error message
     return b"".join(chunks)[:MAX_BODY_READ]
+
+
+def _without_query(error: str, forward: ForwardConfig) -> str:
+    """Keep a forward URL's query (where tokens travel) out of stored errors and logs."""
+    parts = urlsplit(forward.url)
+    if parts.query:
+        error = error.replace("?" + parts.query, "?[redacted]")
+        error = error.replace(parts.query, "[redacted]")
+    return error

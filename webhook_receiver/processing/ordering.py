@@ -22,7 +22,7 @@ from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists
 
 from ..database import is_sqlite
 from ..extensions import db
@@ -129,10 +129,3 @@ def advance(source: str, key: Key, event_id: int, now: datetime) -> bool:
         where=_t.c.version <= row.excluded.version,
     ).returning(_t.c.id)
     return db.session.execute(upsert).first() is not None
-
-
-def applied_version(source: str, entity: str) -> str | None:
-    """The newest applied sortable version of ``<consumer>:<entity>``, if any."""
-    return db.session.scalar(
-        select(_t.c.version).where(_t.c.source == source, _t.c.entity == entity)
-    )

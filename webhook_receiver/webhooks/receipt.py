@@ -312,10 +312,14 @@ def _receive_statement() -> Any:
             .returning(_events.c.id)
             .cte("inserted")
         )
-        wanted = func.unnest(
-            bindparam("v_consumers", type_=ARRAY(String())),
-            bindparam("v_kinds", type_=ARRAY(String())),
-        ).table_valued("consumer", "kind").render_derived(name="wanted")
+        wanted = (
+            func.unnest(
+                bindparam("v_consumers", type_=ARRAY(String())),
+                bindparam("v_kinds", type_=ARRAY(String())),
+            )
+            .table_valued("consumer", "kind")
+            .render_derived(name="wanted")
+        )
         _deliveries = Delivery.__table__
         enqueued = (
             insert(_deliveries)

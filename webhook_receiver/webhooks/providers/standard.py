@@ -29,7 +29,11 @@ def _expected(secret: str, msg_id: str, signed_at: int, body: str) -> bytes | No
     except (binascii.Error, ValueError, EmptyWebhookSecretError):
         return None  # not a whsec_<base64> secret: it cannot match anything
     # sign() returns "v1,<base64>"; compare raw digests, not base64 spellings.
-    signed = signer.sign(msg_id=msg_id, timestamp=datetime.fromtimestamp(signed_at, UTC), data=body)
+    try:
+        when = datetime.fromtimestamp(signed_at, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None  # a timestamp no clock can hold: nothing signed it
+    signed = signer.sign(msg_id=msg_id, timestamp=when, data=body)
     return c.from_b64(signed.partition(",")[2])
 
 
