@@ -333,3 +333,29 @@ def test_an_event_purged_after_the_claim_is_let_go(make_app, downstream, clock):
     assert (outcome.outcome, outcome.error) == ("lease_lost", "event deleted")
     assert delivery_rows(app) == []
     assert downstream.calls == []
+
+
+def test_an_unexpected_error_does_not_stop_the_worker(
+    make_app, downstream, clock, make_worker, monkeypatch
+):
+    """A bug while processing one delivery leaves it to its lease; the worker carries on."""
+    app = _app(make_app, downstream)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    original = worker.process
+    seen = []
+
+    def buggy_once(claim):
+        seen.append(claim.id)
+        if len(seen) == 1:
+            raise RuntimeError("a bug")
+        return original(claim)
+
+    monkeypatch.setattr(worker, "process", buggy_once)
+    assert worker.run(drain=True, handle_signals=False) == 0
+    assert delivery(app, event_id, "billing")["state"] == "in_progress"
+    clock.advance(worker.lease.total_seconds() + 1)
+    assert worker.run(drain=True, handle_signals=False) == 1
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"]) == ("delivered", 2)
+    assert len(downstream.calls) == 1

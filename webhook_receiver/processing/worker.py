@@ -170,6 +170,16 @@ class Worker:
                         self._stop.wait(pause)
                         pause = min(pause * 2, 30.0)
                         continue
+                    except Exception:
+                        # A bug must not stop every worker in turn: the claimed
+                        # delivery stays in progress, is claimed again when its
+                        # lease ends (counting an attempt) and goes dead at the
+                        # attempt limit.
+                        db.session.rollback()
+                        log.exception("worker %s: unexpected error", self.name)
+                        self._stop.wait(pause)
+                        pause = min(pause * 2, 30.0)
+                        continue
                     if outcome is not None:
                         done += 1
                     elif drain:
