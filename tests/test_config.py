@@ -402,3 +402,20 @@ def test_api_retention_must_outlive_idempotency_keys():
                 "IDEMPOTENCY_TTL_SECONDS": 2 * 86400,
             }
         )
+
+
+def test_the_example_config_works_as_documented(make_app):
+    """docs/config.example.toml parses, and its demo source takes the documented delivery."""
+    import hashlib
+    import hmac
+    import tomllib
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "config.example.toml"
+    app = make_app(tomllib.loads(path.read_text()))
+    body = b'{"id": "evt-1", "type": "demo"}'
+    sig = hmac.new(b"demo-secret-change-me", body, hashlib.sha256).hexdigest()
+    headers = {"Content-Type": "application/json", "X-Signature": f"sha256={sig}"}
+    response = app.test_client().post("/webhooks/demo", data=body, headers=headers)
+    assert response.status_code == 200, response.get_data()
+    assert response.get_json()["status"] == "accepted"
