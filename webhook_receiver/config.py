@@ -272,7 +272,7 @@ _FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"
 def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(f"{where} must be an array of tables ([[...forward]])")
-    result = []
+    result: list[ForwardConfig] = []
     for table in tables:
         name = table.get("name")
         if not isinstance(name, str) or not CONSUMER_NAME.match(name):
@@ -318,12 +318,18 @@ def _ordering(table: dict[str, Any], where: str) -> OrderingConfig | None:
     version, entity = table.get("version"), table.get("entity")
     if version is None and entity is None:
         return None
-    for key, value in (("version", version), ("entity", entity)):
-        if not isinstance(value, str) or not value.startswith("json:/"):
-            raise ConfigError(
-                f"{where} {key} must be 'json:<pointer>' (version and entity go together)"
-            )
-    return OrderingConfig(version=version[len("json:") :], entity=entity[len("json:") :])
+    return OrderingConfig(
+        version=_json_pointer("version", version, where),
+        entity=_json_pointer("entity", entity, where),
+    )
+
+
+def _json_pointer(key: str, value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("json:/"):
+        raise ConfigError(
+            f"{where} {key} must be 'json:<pointer>' (version and entity go together)"
+        )
+    return value[len("json:") :]
 
 
 def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:

@@ -17,7 +17,7 @@ from typing import Any
 from flask import Flask
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
 
@@ -73,7 +73,9 @@ def init_app(app: Flask) -> None:
 
 
 @contextmanager
-def unit_of_work(session: Session | None = None) -> Iterator[Session]:
+def unit_of_work(
+    session: Session | scoped_session[Any] | None = None,
+) -> Iterator[Session | scoped_session[Any]]:
     """Commit the block's writes as one transaction, or roll back and re-raise."""
     session = session or db.session
     try:

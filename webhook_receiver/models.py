@@ -8,7 +8,7 @@ what make the receiver idempotent: code inserts and handles the conflict.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
@@ -26,7 +27,18 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .extensions import db
+from .extensions import Base, db
+
+if TYPE_CHECKING:
+    # mypy cannot take a class attribute as a base class (python/mypy#8603);
+    # db.Model is built on Base, so the checker sees Base, with the Table
+    # that every model here has (each names its __tablename__).
+    class Model(Base):
+        __abstract__ = True
+        __table__: ClassVar[Table]
+
+else:
+    Model = db.Model
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -55,7 +67,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         return None if value is None else value.replace(tzinfo=UTC)
 
 
-class Event(db.Model):
+class Event(Model):
     """One logical message, from a provider webhook or from the API."""
 
     __tablename__ = "events"
@@ -84,7 +96,7 @@ class Event(db.Model):
     last_duplicate_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class EventDuplicate(db.Model):
+class EventDuplicate(Model):
     """One redelivery of an event with the same content: when it came."""
 
     __tablename__ = "event_duplicates"
@@ -95,7 +107,7 @@ class EventDuplicate(db.Model):
     received_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
-class EventConflict(db.Model):
+class EventConflict(Model):
     """A delivery that reused an event's dedup key with different content, kept for review."""
 
     __tablename__ = "event_conflicts"
@@ -119,7 +131,7 @@ class EventConflict(db.Model):
     review_note: Mapped[str | None] = mapped_column(Text)
 
 
-class Rejection(db.Model):
+class Rejection(Model):
     """A delivery refused before storage (bad signature, stale timestamp): counted, no body."""
 
     __tablename__ = "rejections"
@@ -133,7 +145,7 @@ class Rejection(db.Model):
     received_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
-class IdempotencyRecord(db.Model):
+class IdempotencyRecord(Model):
     """The claim and the saved response of one client's Idempotency-Key."""
 
     __tablename__ = "idempotency_records"
@@ -160,7 +172,7 @@ class IdempotencyRecord(db.Model):
     response_body: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
-class Delivery(db.Model):
+class Delivery(Model):
     """One consumer's processing of one event: the outbox row and its state machine."""
 
     __tablename__ = "deliveries"
@@ -187,7 +199,7 @@ class Delivery(db.Model):
     completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class EntityVersion(db.Model):
+class EntityVersion(Model):
     """The newest version applied per (source, entity), for ordered sources."""
 
     __tablename__ = "entity_versions"
@@ -201,7 +213,7 @@ class EntityVersion(db.Model):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
-class AdminLoginFailure(db.Model):
+class AdminLoginFailure(Model):
     """A failed admin login, kept briefly to throttle guessing across workers."""
 
     __tablename__ = "admin_login_failures"

@@ -13,9 +13,10 @@ import math
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, delete, or_, select, update
+from sqlalchemy.engine import CursorResult
 
 from ..database import (
     commit_without_waiting_for_disk,
@@ -99,14 +100,7 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
                     .values(
                         client=req.client,
                         key=req.key,
-                        fingerprint=req.fingerprint,
-                        method=req.method,
-                        path=req.path,
-                        state=IN_PROGRESS,
-                        lease_token=token,
-                        lease_expires_at=now + lease,
-                        created_at=now,
-                        expires_at=now + ttl,
+                        **_claim_values(req, token, now, lease, ttl),
                     )
                     .returning(_t.c.id)
                 )
@@ -145,6 +139,22 @@ _LOOKUP = select(
 ).where(_t.c.client == bindparam("b_client"), _t.c.key == bindparam("b_key"))
 
 
+def _claim_values(
+    req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
+) -> dict[str, Any]:
+    # The columns of a fresh claim, whether inserted or taken over.
+    return {
+        "fingerprint": req.fingerprint,
+        "method": req.method,
+        "path": req.path,
+        "state": IN_PROGRESS,
+        "lease_token": token,
+        "lease_expires_at": now + lease,
+        "created_at": now,
+        "expires_at": now + ttl,
+    }
+
+
 def _lookup(req: Request) -> Any:
     params = {"b_client": req.client, "b_key": req.key}
     if is_sqlite():
@@ -173,14 +183,7 @@ def _take_over(
             ),
         )
         .values(
-            fingerprint=req.fingerprint,
-            method=req.method,
-            path=req.path,
-            state=IN_PROGRESS,
-            lease_token=token,
-            lease_expires_at=now + lease,
-            created_at=now,
-            expires_at=now + ttl,
+            **_claim_values(req, token, now, lease, ttl),
             completed_at=None,
             response_status=None,
             response_headers=None,
@@ -245,7 +248,11 @@ def purge_expired(now: datetime, batch_size: int) -> int:
     total = 0
     while True:
         ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
-        result = db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery())))
+        # Session.execute is typed for any statement; a DELETE gives a CursorResult.
+        result = cast(
+            CursorResult[Any],
+            db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
+        )
         db.session.commit()
         total += result.rowcount
         if result.rowcount < batch_size:
@@ -254,6 +261,6 @@ def purge_expired(now: datetime, batch_size: int) -> int:
 
 def evict(record_id: int) -> bool:
     """Delete one record (an operator's action); return whether it existed."""
-    result = db.session.execute(delete(_t).where(_t.c.id == record_id))
+    result = cast(CursorResult[Any], db.session.execute(delete(_t).where(_t.c.id == record_id)))
     db.session.commit()
     return result.rowcount == 1

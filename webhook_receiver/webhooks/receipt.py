@@ -14,10 +14,11 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import String, bindparam, insert, literal_column, select, update
 from sqlalchemy import true as literal_true
+from sqlalchemy.dialects import postgresql, sqlite
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
@@ -104,8 +105,15 @@ def receive(
     return _store(source, identified, print_, body, content_type, headers)
 
 
-_TYPE_LENGTH = _events.c.event_type.type.length
-_CONTENT_TYPE_LENGTH = _events.c.content_type.type.length
+def _column_length(name: str) -> int:
+    """The declared length of one of the events table's String columns."""
+    length = cast(String, _events.c[name].type).length
+    assert length is not None, name
+    return length
+
+
+_TYPE_LENGTH = _column_length("event_type")
+_CONTENT_TYPE_LENGTH = _column_length("content_type")
 
 
 def _check_storable(identified: Identified, content_type: str) -> None:
@@ -146,7 +154,7 @@ def _store(
     key = identified.dedup_key
     # Everything is prepared before the first write: on SQLite the write
     # lock is held from it to the commit, and every writer waits meanwhile.
-    values = {
+    values: dict[str, Any] = {
         "source": source.name,
         "dedup_key": key,
         "event_type": identified.event_type,
@@ -288,7 +296,7 @@ def _receive_statement() -> Any:
     and commit together; the unique constraint still decides races.
     """
     if not _RECEIVE:
-        from sqlalchemy import String, exists, func
+        from sqlalchemy import exists, func
         from sqlalchemy.dialects.postgresql import ARRAY
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -339,7 +347,7 @@ def _receive_statement() -> Any:
                     wanted.c.consumer,
                     wanted.c.kind,
                     bindparam("v_pending", type_=String()),
-                    0,
+                    literal_column("0"),  # what select() makes of a bare 0
                     now,
                     now,
                     now,
@@ -368,11 +376,12 @@ def _keep_conflict(
     headers: Headers,
     now: datetime,
 ) -> None:
+    stmt: sqlite.Insert | postgresql.Insert
     if is_sqlite():
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        stmt = sqlite.insert(_conflicts)
     else:
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    stmt = dialect_insert(_conflicts).values(
+        stmt = postgresql.insert(_conflicts)
+    stmt = stmt.values(
         event_id=event_id,
         source=source.name,
         dedup_key=key,
