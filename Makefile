@@ -39,6 +39,7 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed
 	$(PY) -m bench
