@@ -197,3 +197,12 @@ def test_get_event_for_its_client_only(app, client):
     missing = client.get("/api/events/999999", headers=bearer())
     assert missing.status_code == 404
     assert client.get(f"/api/events/{created['id']}").status_code == 401
+
+
+def test_machine_endpoints_never_use_a_session_cookie(app, client):
+    """Only /admin has sessions: the API reads no cookie and sets none."""
+    client.set_cookie("session", "not-a-valid-signed-session")
+    response = post_event(client)
+    assert response.status_code == 201
+    assert "Set-Cookie" not in response.headers
+    assert "Vary" not in response.headers or "Cookie" not in response.headers["Vary"]

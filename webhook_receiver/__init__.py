@@ -62,6 +62,9 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     # CSRF is checked per view by the admin blueprint, not on machine APIs.
     app.config["WTF_CSRF_CHECK_DEFAULT"] = False
 
+    from .sessions import AdminOnlySessionInterface
+
+    app.session_interface = AdminOnlySessionInterface()
     db.init_app(app)
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)

@@ -142,7 +142,7 @@ def test_changing_the_password_ends_open_sessions(make_app, admin):
 
 
 def test_session_ends_after_its_lifetime(admin):
-    with admin.session_transaction() as session:
+    with admin.session_transaction("/admin/") as session:
         data = dict(session["admin"])
         data["at"] -= 13 * 3600
         session["admin"] = data
@@ -150,7 +150,7 @@ def test_session_ends_after_its_lifetime(admin):
 
 
 def test_a_forged_session_value_is_not_a_login(anon):
-    with anon.session_transaction() as session:
+    with anon.session_transaction("/admin/") as session:
         session["admin"] = {"tag": "0" * 64, "at": 2**31}
     assert anon.get("/admin/").status_code == 302
 
