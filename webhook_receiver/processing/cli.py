@@ -20,7 +20,8 @@ from .worker import Worker
 def worker_command(drain: bool) -> None:
     """Process deliveries: run handlers and forwards, retry, until SIGTERM."""
     if not logging.getLogger().handlers:
-        # The lead's JSON formatter replaces this; until then, plain lines.
+        # The app configures JSON logs (observability.logging) except when
+        # testing or configured elsewhere; then plain lines rather than none.
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
