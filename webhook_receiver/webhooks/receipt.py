@@ -228,6 +228,23 @@ _COUNT_DUPLICATE = (
 )
 _RECORD_DUPLICATE = insert(_duplicates)
 
+
+def _sqlite_upsert() -> Any:
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    statement = sqlite_insert(_events)
+    return statement.on_conflict_do_update(
+        index_elements=["source", "dedup_key"],
+        set_={
+            "duplicate_count": _events.c.duplicate_count + 1,
+            "last_duplicate_at": statement.excluded.received_at,
+        },
+        where=_events.c.fingerprint == statement.excluded.fingerprint,
+    ).returning(_events.c.id, _events.c.duplicate_count)
+
+
+_UPSERT_SQLITE = _sqlite_upsert()
+
 _EVENT_COLUMNS = (
     "source",
     "dedup_key",
@@ -247,18 +264,23 @@ _RECEIVE: list[Any] = []
 def _receive_in_transaction(
     params: dict[str, Any], values: dict[str, Any]
 ) -> tuple[int | None, int | None]:
-    """SQLite: count a redelivery, or else insert the event, in the session's transaction.
+    """SQLite: insert the event, or count the redelivery, in the session's transaction.
 
-    The count is a write and comes first, as SQLite needs (see database.py):
-    the redelivery is found and counted by one statement, no read-modify-write.
-    The caller commits. Returns as ``_receive_in_one_statement`` does.
+    One upsert does either: a new key inserts (``duplicate_count`` 0), the
+    same key with the same fingerprint increments the count in the database
+    (no read-modify-write), other content matches nothing. It is a write and
+    comes first, as SQLite needs (see database.py). The caller commits.
+    Returns as ``_receive_in_one_statement`` does.
     """
     conn = db.session.connection()
-    duplicate_of = conn.execute(_COUNT_DUPLICATE, params).scalar()
-    if duplicate_of is not None:
-        conn.execute(_RECORD_DUPLICATE, {"event_id": duplicate_of, "received_at": params["b_now"]})
-        return duplicate_of, None
-    return None, events.insert_event(values)
+    row = conn.execute(_UPSERT_SQLITE, values).first()
+    if row is None:
+        return None, None
+    if row.duplicate_count == 0:
+        events.enqueue_deliveries(row.id, values)
+        return None, row.id
+    conn.execute(_RECORD_DUPLICATE, {"event_id": row.id, "received_at": params["b_now"]})
+    return row.id, None
 
 
 def _receive_in_one_statement(
