@@ -1,10 +1,11 @@
 """Receiving one provider delivery: verify, identify, then store once.
 
 The event row is the dedup marker: its unique (source, dedup key)
-constraint decides between racing copies. A redelivery with the same
-content is found and counted by one UPDATE (no read-modify-write); only
-when nothing was counted is the event inserted. On PostgreSQL all of it,
-and the new event's deliveries, is one statement in its own transaction:
+constraint decides between racing copies. One upsert stores a new event or,
+for the same key with the same fingerprint, increments its duplicate count
+in the database (no read-modify-write); other content under the key is a
+conflict, kept for review. On PostgreSQL the upsert, the redelivery's time
+and the new event's deliveries are one statement in its own transaction:
 one round trip, committed before the answer.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import String, bindparam, insert, literal_column, select, update
+from sqlalchemy import String, bindparam, insert, literal_column, select
 from sqlalchemy import true as literal_true
 from sqlalchemy.dialects import postgresql, sqlite
 from werkzeug.datastructures import Headers
@@ -213,19 +214,6 @@ def _store(
 
 
 # Built once: constructing statements costs more Python than running them.
-_COUNT_DUPLICATE = (
-    update(_events)
-    .where(
-        _events.c.source == bindparam("b_source"),
-        _events.c.dedup_key == bindparam("b_key"),
-        _events.c.fingerprint == bindparam("b_fingerprint"),
-    )
-    .values(
-        duplicate_count=_events.c.duplicate_count + 1,
-        last_duplicate_at=bindparam("b_now", type_=UTCDateTime()),
-    )
-    .returning(_events.c.id)
-)
 _RECORD_DUPLICATE = insert(_duplicates)
 
 
@@ -310,37 +298,42 @@ def _receive_in_one_statement(
 def _receive_statement() -> Any:
     """PostgreSQL's one-statement receipt, built on first use.
 
-    ``counted`` increments a redelivery with the same content; ``recorded``
-    notes its time; ``inserted`` stores the event only when nothing was
-    counted, and does nothing if the key exists (other content, or a copy
-    committed meanwhile: the caller sorts those out); ``enqueued`` writes
-    the new event's deliveries (the outbox). All of them see one snapshot
-    and commit together; the unique constraint still decides races.
+    ``upserted`` inserts the event, or increments the count of the one
+    stored under the key when its fingerprint matches (the conflict waits
+    for a racing copy's commit, then counts it), or does nothing for other
+    content; ``recorded`` notes a redelivery's time; ``enqueued`` writes a
+    new event's deliveries (the outbox). All of it commits together.
     """
     if not _RECEIVE:
-        from sqlalchemy import exists, func
+        from sqlalchemy import func
         from sqlalchemy.dialects.postgresql import ARRAY
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
         from ..models import Delivery
 
         now = bindparam("b_now", type_=UTCDateTime())
-        counted = _COUNT_DUPLICATE.cte("counted")
-        recorded = (
-            insert(_duplicates)
-            .from_select(["event_id", "received_at"], select(counted.c.id, now))
-            .returning(_duplicates.c.event_id)
-            .cte("recorded")
-        )
         new_row = select(
             *[bindparam(f"v_{name}", type_=_events.c[name].type) for name in _EVENT_COLUMNS]
-        ).where(~exists(select(counted.c.id)))
-        inserted = (
-            pg_insert(_events)
-            .from_select(list(_EVENT_COLUMNS), new_row)
-            .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
-            .returning(_events.c.id)
-            .cte("inserted")
+        )
+        upsert = pg_insert(_events).from_select(list(_EVENT_COLUMNS), new_row)
+        upserted = (
+            upsert.on_conflict_do_update(
+                index_elements=["source", "dedup_key"],
+                set_={
+                    "duplicate_count": _events.c.duplicate_count + 1,
+                    "last_duplicate_at": upsert.excluded.received_at,
+                },
+                where=_events.c.fingerprint == upsert.excluded.fingerprint,
+            )
+            .returning(_events.c.id, _events.c.duplicate_count)
+            .cte("upserted")
+        )
+        is_new = upserted.c.duplicate_count == 0
+        recorded = (
+            insert(_duplicates)
+            .from_select(["event_id", "received_at"], select(upserted.c.id, now).where(~is_new))
+            .returning(_duplicates.c.event_id)
+            .cte("recorded")
         )
         wanted = (
             func.unnest(
@@ -365,7 +358,7 @@ def _receive_statement() -> Any:
                     "updated_at",
                 ],
                 select(
-                    inserted.c.id,
+                    upserted.c.id,
                     wanted.c.consumer,
                     wanted.c.kind,
                     bindparam("v_pending", type_=String()),
@@ -373,7 +366,9 @@ def _receive_statement() -> Any:
                     now,
                     now,
                     now,
-                ).select_from(inserted.join(wanted, literal_true())),
+                )
+                .select_from(upserted.join(wanted, literal_true()))
+                .where(is_new),
             )
             .returning(_deliveries.c.id)
             .cte("enqueued")
@@ -381,7 +376,7 @@ def _receive_statement() -> Any:
         _RECEIVE.append(
             select(
                 select(recorded.c.event_id).scalar_subquery().label("duplicate_of"),
-                select(inserted.c.id).scalar_subquery().label("event_id"),
+                select(upserted.c.id).where(is_new).scalar_subquery().label("event_id"),
                 select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
             )
         )
