@@ -86,15 +86,20 @@ def unit_of_work(
         raise
 
 
-def insert_ignoring_conflicts(table: Any, index_elements: list[str]) -> Any:
-    """An INSERT that does nothing when the unique constraint on ``index_elements`` is hit."""
+def dialect_insert(table: Any) -> Any:
+    """An INSERT of this database's dialect, which knows ``ON CONFLICT``."""
     if db.engine.dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        return pg_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+        return pg_insert(table)
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-    return sqlite_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+    return sqlite_insert(table)
+
+
+def insert_ignoring_conflicts(table: Any, index_elements: list[str]) -> Any:
+    """An INSERT that does nothing when the unique constraint on ``index_elements`` is hit."""
+    return dialect_insert(table).on_conflict_do_nothing(index_elements=index_elements)
 
 
 def is_sqlite() -> bool:

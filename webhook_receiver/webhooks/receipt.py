@@ -14,16 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import String, bindparam, insert, literal_column, select
 from sqlalchemy import true as literal_true
-from sqlalchemy.dialects import postgresql, sqlite
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events
-from ..database import end_read, is_sqlite
+from ..database import dialect_insert, end_read, is_sqlite
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..models import Event, EventConflict, EventDuplicate, Rejection, UTCDateTime, utcnow
@@ -70,7 +68,8 @@ def receive(
     """Verify and store one delivery to ``source``; raise a Problem to refuse it."""
     provider = get_provider(source.provider)
     content_type = headers.get("Content-Type", "")
-    parsed, json_error = _parse(body, content_type, needs_json(source))
+    json_required = needs_json(source)
+    parsed, json_error = _parse(body, content_type, json_required)
     inbound = Inbound(
         body=body, headers=headers, content_type=content_type, json=parsed, now=time.time()
     )
@@ -83,10 +82,10 @@ def receive(
             "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
             str(exc),
         ) from exc
-    if needs_json(source) and not content_type:
+    if json_required and not content_type:
         # Providers always label their JSON; unlabelled content is not theirs to guess.
         raise Problem("unsupported-media-type", "send Content-Type: application/json")
-    if json_error is not None and needs_json(source):
+    if json_error is not None and json_required:
         raise Problem("payload-invalid", f"{provider.name} deliveries are JSON: {json_error}")
     try:
         identified = provider.identify(inbound, source)
@@ -168,12 +167,11 @@ def _store(
         "duplicate_count": 0,
     }
     for _ in range(3):
-        now = values["received_at"] = utcnow()
-        params = {"b_source": source.name, "b_key": key, "b_fingerprint": print_, "b_now": now}
+        values["received_at"] = utcnow()
         if is_sqlite():
-            duplicate_of, event_id = _receive_in_transaction(params, values)
+            duplicate_of, event_id = _receive_in_transaction(values)
         else:
-            duplicate_of, event_id = _receive_in_one_statement(params, values)
+            duplicate_of, event_id = _receive_in_one_statement(values)
         if duplicate_of is not None:
             session.commit()
             _log("duplicate", source, key, duplicate_of)
@@ -184,14 +182,14 @@ def _store(
             _log("accepted", source, key, event_id)
             metrics.received(source.name)
             return Receipt("accepted", accepted_body(event_id), event_id)
-        # The key is taken: by other content, or by a copy that committed
-        # since our count found nothing (then the next round counts it).
+        # The key holds other content (or its event was purged in between:
+        # then the next round stores this one).
         session.rollback()
         existing = events.find_by_key(source.name, key)
         end_read()
         if existing is None or existing.fingerprint == print_:
             continue
-        _keep_conflict(existing.id, source, key, print_, body, content_type, headers, now)
+        _keep_conflict(existing.id, values)
         session.commit()
         log.error(
             "dedup key reused with different content",
@@ -249,9 +247,7 @@ _EVENT_COLUMNS = (
 _RECEIVE: list[Any] = []
 
 
-def _receive_in_transaction(
-    params: dict[str, Any], values: dict[str, Any]
-) -> tuple[int | None, int | None]:
+def _receive_in_transaction(values: dict[str, Any]) -> tuple[int | None, int | None]:
     """SQLite: insert the event, or count the redelivery, in the session's transaction.
 
     One upsert does either: a new key inserts (``duplicate_count`` 0), the
@@ -267,24 +263,20 @@ def _receive_in_transaction(
     if row.duplicate_count == 0:
         events.enqueue_deliveries(row.id, values)
         return None, row.id
-    conn.execute(_RECORD_DUPLICATE, {"event_id": row.id, "received_at": params["b_now"]})
+    conn.execute(_RECORD_DUPLICATE, {"event_id": row.id, "received_at": values["received_at"]})
     return row.id, None
 
 
-def _receive_in_one_statement(
-    params: dict[str, Any], values: dict[str, Any]
-) -> tuple[int | None, int | None]:
+def _receive_in_one_statement(values: dict[str, Any]) -> tuple[int | None, int | None]:
     """PostgreSQL: receive in one statement, its own transaction, one round trip.
 
     Returns (the id of the event this duplicates, the id of the new event);
-    both None when the key is taken by other content or by a copy committed
-    meanwhile. Running outside an explicit transaction saves the BEGIN and
-    COMMIT round trips: the statement commits durably before it returns, so
-    the 2xx that follows still comes after the commit.
+    both None when the key holds other content. Running outside an explicit
+    transaction saves the BEGIN and COMMIT round trips: the statement commits
+    durably before it returns, so the 2xx that follows still comes after it.
     """
     consumers = outbox.consumers_for(values["source"], values["event_type"])
     bind = {
-        **params,
         **{f"v_{name}": value for name, value in values.items()},
         "v_consumers": [name for name, _ in consumers],
         "v_kinds": [kind for _, kind in consumers],
@@ -311,7 +303,7 @@ def _receive_statement() -> Any:
 
         from ..models import Delivery
 
-        now = bindparam("b_now", type_=UTCDateTime())
+        now = bindparam("v_received_at", type_=UTCDateTime())
         new_row = select(
             *[bindparam(f"v_{name}", type_=_events.c[name].type) for name in _EVENT_COLUMNS]
         )
@@ -383,32 +375,25 @@ def _receive_statement() -> Any:
     return _RECEIVE[0]
 
 
-def _keep_conflict(
-    event_id: int,
-    source: SourceConfig,
-    key: str,
-    print_: str,
-    body: bytes,
-    content_type: str,
-    headers: Headers,
-    now: datetime,
-) -> None:
-    stmt: sqlite.Insert | postgresql.Insert
-    if is_sqlite():
-        stmt = sqlite.insert(_conflicts)
-    else:
-        stmt = postgresql.insert(_conflicts)
-    stmt = stmt.values(
+def _keep_conflict(event_id: int, values: dict[str, Any]) -> None:
+    """Keep a delivery whose content differs from the event stored under its key."""
+    now = values["received_at"]
+    stmt = dialect_insert(_conflicts).values(
         event_id=event_id,
-        source=source.name,
-        dedup_key=key,
-        fingerprint=print_,
-        content_type=content_type or None,
-        body=body,
-        headers=events.redact_headers(headers.items(), redacted_headers(source)),
-        received_at=now,
         seen_count=1,
         last_seen_at=now,
+        **{
+            name: values[name]
+            for name in (
+                "source",
+                "dedup_key",
+                "fingerprint",
+                "content_type",
+                "body",
+                "headers",
+                "received_at",
+            )
+        },
     )
     # One record per distinct content: a repeat of the same conflicting
     # delivery only counts.
