@@ -95,7 +95,8 @@ def postgresql_database(server_url: str) -> Iterator[str]:
         admin.dispose()
 
 
-def app_env(db_url: str, config_path: Path) -> dict[str, str]:
+def app_env(db_url: str, config_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an app process on ``db_url`` with this config file."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -109,6 +110,7 @@ def app_env(db_url: str, config_path: Path) -> dict[str, str]:
         WEBHOOK_RECEIVER_CONFIG=str(config_path),
         PYTHONPATH=str(ROOT),
     )
+    env.update(extra or {})
     return env
 
 
@@ -133,9 +135,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running gunicorn: its base URL and its master's pid."""
+
+    url: str
+    pid: int
+
+
 @contextmanager
-def gunicorn(target: str, env: dict[str, str], workers: int, log_path: Path) -> Iterator[str]:
-    """Serve ``target`` with sync workers on a loopback port; yield its base URL."""
+def gunicorn(
+    target: str,
+    env: dict[str, str],
+    workers: int,
+    log_path: Path,
+    *,
+    args: tuple[str, ...] = (),
+    ready_path: str = "/",
+) -> Iterator[Served]:
+    """Serve ``target`` with sync workers on a loopback port until the block ends."""
     port = free_port()
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
@@ -149,6 +167,7 @@ def gunicorn(target: str, env: dict[str, str], workers: int, log_path: Path) -> 
                 "sync",
                 "--graceful-timeout",
                 "5",
+                *args,
                 target,
             ],
             cwd=ROOT,
@@ -164,14 +183,16 @@ def gunicorn(target: str, env: dict[str, str], workers: int, log_path: Path) -> 
             if process.poll() is not None:
                 raise RuntimeError(f"gunicorn {target} exited; see {log_path}")
             try:
-                # Any HTTP answer means the workers are up.
-                requests.get(url + "/", timeout=1)
-                break
+                # An answer below 500 means the workers are up (and, from
+                # /readyz, that the database and its schema are too).
+                if requests.get(url + ready_path, timeout=1).status_code < 500:
+                    break
             except requests.RequestException:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"gunicorn {target} did not start; see {log_path}") from None
-                time.sleep(0.1)
-        yield url
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gunicorn {target} did not start; see {log_path}")
+            time.sleep(0.1)
+        yield Served(url, process.pid)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -227,8 +248,8 @@ def run_scenarios(
     for name in names:
         scenario = SCENARIOS[name]
         log_path = workdir / f"gunicorn-{db}-{name}.log"
-        with gunicorn(scenario.app, env, options.workers, log_path) as url:
-            context.url = url
+        with gunicorn(scenario.app, env, options.workers, log_path) as served:
+            url = context.url = served.url
             load = scenario.prepare(context)
             if options.warmup > 0:
                 wrk(url, load, options.warmup, options, workdir)

@@ -12,7 +12,7 @@ It checks what the nodes must guarantee together: every delivery answered
 ``duplicate_count == deliveries - 1`` (and as many event_duplicates rows),
 whichever instance took each copy. It prints a Markdown table.
 
-    .venv/bin/python bench/scaleout.py --seconds 8
+    .venv/bin/python -m bench.scaleout --seconds 8
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import platform
 import random
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -45,8 +44,10 @@ import requests
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from bench.run import app_env, free_port, gunicorn, migrate
+from webhook_receiver.config import database_uri
+
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 SOURCE = "stripe-live"
 STRIPE_SECRET = "whsec_bench_scaleout_0123456789"
 CONFIG = f"""
@@ -54,20 +55,6 @@ CONFIG = f"""
 provider = "stripe"
 secrets = ["{STRIPE_SECRET}"]
 """
-SECRET_KEY = secrets.token_hex(32)
-
-
-def sa_url(url: str) -> str:
-    for prefix in ("postgres://", "postgresql://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -116,14 +103,7 @@ def database(admin_url: str, name: str) -> Iterator[str]:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     try:
-        env = app_env(url, write_config())
-        subprocess.run(
-            [str(BIN / "flask"), "--app", "wsgi", "db", "upgrade"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
+        migrate(app_env(url, write_config()))
         yield url
     finally:
         with admin.connect() as conn:
@@ -142,61 +122,21 @@ def write_config() -> Path:
     return path
 
 
-def app_env(db_url: str, config: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "WEBHOOK_RECEIVER_"))}
-    env.update(
-        DATABASE_URL=db_url,
-        SECRET_KEY=SECRET_KEY,
-        WEBHOOK_RECEIVER_CONFIG=str(config),
-        PYTHONPATH=str(ROOT),
-    )
-    env.update(extra or {})
-    return env
-
-
 @contextmanager
 def instance(
     db_url: str, workers: int, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, int]]:
     """One app instance: a gunicorn master and its workers on a port of its own."""
-    port = free_port()
-    log = open(_config_dir / f"gunicorn-{port}.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [
-            str(BIN / "gunicorn"),
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            str(workers),
-            "--access-logfile",
-            "/dev/null",
-            "wsgi:app",
-        ],
-        cwd=ROOT,
-        env=app_env(db_url, write_config(), env),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"gunicorn exited: see {log.name}")
-            try:
-                if requests.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gunicorn did not start: see {log.name}")
-            time.sleep(0.1)
-        yield url, process.pid
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
+    log_path = _config_dir / f"gunicorn-{secrets.token_hex(4)}.log"
+    with gunicorn(
+        "wsgi:app",
+        app_env(db_url, write_config(), env),
+        workers,
+        log_path,
+        args=("--access-logfile", "/dev/null"),
+        ready_path="/readyz",
+    ) as served:
+        yield served.url, served.pid
 
 
 @contextmanager
@@ -576,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storm-keys", type=int, default=20)
     parser.add_argument("--storm-copies", type=int, default=20)
     args = parser.parse_args(argv)
-    admin_url = sa_url(args.database_url)
+    admin_url = database_uri(args.database_url, str(ROOT))
     tag = f"{os.getpid()}_{secrets.token_hex(3)}"
 
     results: list[Result] = []
