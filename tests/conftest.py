@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,13 +17,13 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from webhook_receiver import create_app
 from webhook_receiver.extensions import db as _db
 
+from .databases import PG_URL, throwaway_postgresql
+
 CI = bool(os.environ.get("CI"))
-PG_URL = os.environ.get("TEST_DATABASE_URL")
 
 ACME_TOKEN = "acme-token-0123456789abcdef"
 GLOBEX_TOKEN = "globex-token-0123456789abcdef"
@@ -86,27 +85,9 @@ def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def _pg_database() -> Iterator[str]:
     """A PostgreSQL database of this test run's own, migrated once."""
-    if not PG_URL:
-        pytest.skip("TEST_DATABASE_URL is not set")
-    name = f"wr_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = create_engine(_sa_url(PG_URL), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(_sa_url(PG_URL)).set(database=name).render_as_string(hide_password=False)
-    try:
+    with throwaway_postgresql(f"wr_test_{os.getpid()}") as (url, _admin, _name):
         _migrate(url)
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def _sa_url(url: str) -> str:
-    for prefix in ("postgres://", "postgresql://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
 
 
 def _truncate_all(url: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,7 +11,14 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
-from .conftest import PG_URL, _sa_url
+from webhook_receiver.config import database_uri
+
+PG_URL = os.environ.get("TEST_DATABASE_URL")
+
+
+def _sa_url(url: str) -> str:
+    """The SQLAlchemy URL of a postgres:// or postgresql:// URL (psycopg 3)."""
+    return database_uri(url, "")
 
 
 @contextmanager

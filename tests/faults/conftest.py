@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..conftest import CI, PG_URL, _migrate, _sa_url
+from ..conftest import CI, _migrate
+from ..databases import PG_URL, _sa_url
 from .postgres import BlockedDatabase, PrivatePostgres, find_bin_dir, private_postgres
 
 
