@@ -168,24 +168,29 @@ def test_mismatch_is_422_without_executing(app, client):
     assert calls == ["ok"]
 
 
-def test_in_flight_is_409_with_retry_after(app, client):
+def claimed_elsewhere(app, key: str, lease_left: timedelta) -> None:
+    """Store an in-progress claim of another request, its lease ending ``lease_left`` from now."""
     with app.app_context():
         now = utcnow()
         db.session.add(
             IdempotencyRecord(
                 client="acme",
-                key="busy",
+                key=key,
                 fingerprint="f" * 64,
                 method="POST",
                 path="/t/ok",
                 state=IN_PROGRESS,
-                lease_token="someone",
-                lease_expires_at=now + timedelta(seconds=30),
-                created_at=now,
+                lease_token="another-holder",
+                lease_expires_at=now + lease_left,
+                created_at=now + lease_left - timedelta(seconds=60),
                 expires_at=now + timedelta(hours=24),
             )
         )
         db.session.commit()
+
+
+def test_in_flight_is_409_with_retry_after(app, client):
+    claimed_elsewhere(app, "busy", timedelta(seconds=30))
     response = post(client, "/t/ok", key="busy")
     assert response.status_code == 409
     assert response.get_json()["type"] == "/problems/idempotency-key-in-use"
@@ -194,23 +199,7 @@ def test_in_flight_is_409_with_retry_after(app, client):
 
 
 def test_expired_lease_of_a_crashed_holder_is_taken_over(app, client):
-    with app.app_context():
-        now = utcnow()
-        db.session.add(
-            IdempotencyRecord(
-                client="acme",
-                key="crashed",
-                fingerprint="f" * 64,
-                method="POST",
-                path="/t/ok",
-                state=IN_PROGRESS,
-                lease_token="dead-holder",
-                lease_expires_at=now - timedelta(seconds=1),
-                created_at=now - timedelta(seconds=61),
-                expires_at=now + timedelta(hours=24),
-            )
-        )
-        db.session.commit()
+    claimed_elsewhere(app, "crashed", timedelta(seconds=-1))
     response = post(client, "/t/ok", key="crashed")
     assert response.status_code == 201
     assert calls == ["ok"]
