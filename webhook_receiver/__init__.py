@@ -69,9 +69,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)
 
-    from . import correlation, database, observability, problems
+    from . import correlation, database, duplicates, observability, problems
 
     database.init_app(app)
+    duplicates.init_app(app)
     problems.init_app(app)
     correlation.init_app(app)
     observability.init_app(app)

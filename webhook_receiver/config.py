@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     "ADMIN_LOGIN_WINDOW_SECONDS": 900,
     "ADMIN_PAGE_SIZE": 50,
     "FORCE_SHORT_RETENTION": False,
+    # Redeliveries' counts and times are written in batches this often (see
+    # duplicates.py); 0 writes each in its own request.
+    "DUPLICATE_FLUSH_SECONDS": 1.0,
     "SQLALCHEMY_ENGINE_OPTIONS": {},
     # The delivery worker (webhook_receiver.processing). A lease must outlast
     # the slowest forward: connect and read timeouts both count.
@@ -84,6 +87,7 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "ADMIN_LOGIN_MAX_FAILURES": (int, 1),
     "ADMIN_LOGIN_WINDOW_SECONDS": (int, 1),
     "ADMIN_PAGE_SIZE": (int, 1),
+    "DUPLICATE_FLUSH_SECONDS": (float, 0),
     "WORKER_LEASE_SECONDS": (float, 0.1),
     "WORKER_POLL_SECONDS": (float, 0.001),
     "WORKER_MAX_ATTEMPTS": (int, 1),

@@ -16,7 +16,7 @@ from typing import Any
 
 from flask import Flask
 from sqlalchemy import event, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
@@ -59,8 +59,17 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+# The driver runs every SQLite connection in autocommit mode (see
+# _on_sqlite_connect), so a connection that skips the BEGIN runs each
+# statement on its own. Cheaper than SQLAlchemy's AUTOCOMMIT level, which
+# would switch the driver back to its implicit transactions on the way
+# back to the pool, with a PRAGMA each way.
+_NO_BEGIN = "webhook_receiver_no_begin"
+
+
 def _on_sqlite_begin(connection: Any) -> None:
-    connection.exec_driver_sql("BEGIN")
+    if not connection.get_execution_options().get(_NO_BEGIN):
+        connection.exec_driver_sql("BEGIN")
 
 
 def init_app(app: Flask) -> None:
@@ -83,6 +92,40 @@ def unit_of_work(
         session.commit()
     except BaseException:
         session.rollback()
+        raise
+
+
+def autocommit_connection() -> Connection:
+    """A pooled connection outside any transaction: each statement commits on its own.
+
+    For a lone read (no BEGIN and no ROLLBACK around it), and on PostgreSQL
+    for one statement that must commit durably before it returns.
+    """
+    connection = db.engine.connect()
+    if connection.dialect.name == "sqlite":
+        return connection.execution_options(**{_NO_BEGIN: True})
+    return connection.execution_options(isolation_level="AUTOCOMMIT")
+
+
+@contextmanager
+def write_transaction(connection: Connection) -> Iterator[Connection]:
+    """Run the block on a connection of ``autocommit_connection()`` as one transaction.
+
+    For a write that follows a lone read on the same connection (one pool
+    checkout, no session): the block's statements commit together at its
+    end, or roll back if it raises. On SQLite the transaction opens with the
+    block's first statement, which must be its write.
+    """
+    connection.commit()  # end the reads' autocommit scope; nothing to commit
+    if connection.dialect.name == "sqlite":
+        connection.execution_options(**{_NO_BEGIN: False})
+    else:
+        connection.execution_options(isolation_level=connection.default_isolation_level)
+    try:
+        yield connection
+        connection.commit()
+    except BaseException:
+        connection.rollback()
         raise
 
 

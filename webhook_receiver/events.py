@@ -6,9 +6,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
+from sqlalchemy.engine import Connection
 
-from .database import insert_ignoring_conflicts
+from .database import autocommit_connection, insert_ignoring_conflicts
 from .extensions import db
 from .models import Event
 from .processing import outbox
@@ -28,21 +29,24 @@ def redact_headers(
     return [[name, REDACTED if name.lower() in secret else value] for name, value in headers]
 
 
-def insert_event(values: dict[str, Any]) -> int | None:
+def insert_event(values: dict[str, Any], connection: Connection | None = None) -> int | None:
     """Insert an event in the current transaction; None if (source, dedup_key) exists.
 
+    The transaction is the session's, or that of ``connection`` when given.
     A fresh event gets its consumers' delivery rows in the same transaction
     (the outbox).
     """
-    event_id = db.session.connection().execute(_insert_statement(), values).scalar()
+    connection = connection or db.session.connection()
+    event_id = connection.execute(_insert_statement(), values).scalar()
     if event_id is not None:
-        enqueue_deliveries(event_id, values)
+        outbox.enqueue(
+            event_id,
+            values["source"],
+            values.get("event_type"),
+            values["received_at"],
+            connection,
+        )
     return event_id
-
-
-def enqueue_deliveries(event_id: int, values: dict[str, Any]) -> None:
-    """Write a fresh event's deliveries in its transaction (the outbox)."""
-    outbox.enqueue(event_id, values["source"], values.get("event_type"), values["received_at"])
 
 
 _INSERTS: dict[str, Any] = {}
@@ -83,8 +87,19 @@ def iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def find_by_key(source: str, dedup_key: str) -> Any:
-    """Read the id and fingerprint of the event stored under (source, dedup_key)."""
-    return db.session.execute(
-        select(_t.c.id, _t.c.fingerprint).where(_t.c.source == source, _t.c.dedup_key == dedup_key)
-    ).one_or_none()
+_FIND_BY_KEY = select(_t.c.id, _t.c.fingerprint).where(
+    _t.c.source == bindparam("b_source"), _t.c.dedup_key == bindparam("b_key")
+)
+
+
+def find_by_key(source: str, dedup_key: str, connection: Connection | None = None) -> Any:
+    """Read the id and fingerprint of the event stored under (source, dedup_key).
+
+    A lone read outside any transaction, on ``connection`` (one of
+    ``autocommit_connection()``) or a connection of its own.
+    """
+    params = {"b_source": source, "b_key": dedup_key}
+    if connection is not None:
+        return connection.execute(_FIND_BY_KEY, params).one_or_none()
+    with autocommit_connection() as own:
+        return own.execute(_FIND_BY_KEY, params).one_or_none()

@@ -108,14 +108,16 @@ def test_sigkilled_workers_lose_no_acknowledged_event(db_url, tmp_path):
         assert len(firsts) <= 1, key
         if not cut_off:
             assert len(firsts) == 1, key
-        # Each committed attempt after the first counted one duplicate, in both
-        # the counter and the duplicates table. Every 2xx committed; a cut-off
-        # attempt may have committed before its worker died, or not.
+        # Redeliveries are counted in batches (duplicates.py): a killed
+        # worker loses the ones it had not written yet, so the count may fall
+        # short of the answered copies, but it never counts a copy twice or
+        # one nobody sent, and the counter and the rows always agree.
         assert entry.duplicate_count == entry.duplicate_rows, key
-        assert len(answered) <= entry.duplicate_count + 1 <= len(answered) + len(cut_off), key
+        assert entry.duplicate_count + 1 <= len(answered) + len(cut_off), key
+    uncounted = sum(
+        max(0, sum(a.ok for a in t) - 1 - held[k].duplicate_count) for k, t in sent.items()
+    )
     print(
         f"\n{len(killed)} workers killed; {len(attempts)} attempts for {len(sent)} keys, "
-        f"{statuses}; "
-        f"{sum(1 for k, t in sent.items() if held[k].duplicate_count + 1 > sum(a.ok for a in t))}"
-        " keys with a commit whose answer was lost"
+        f"{statuses}; {uncounted} answered redeliveries lost uncounted with their worker"
     )

@@ -19,8 +19,8 @@ from sqlalchemy import and_, bindparam, delete, or_, select, update
 from sqlalchemy.engine import CursorResult
 
 from ..database import (
+    autocommit_connection,
     commit_without_waiting_for_disk,
-    end_read,
     insert_ignoring_conflicts,
     is_sqlite,
 )
@@ -156,15 +156,10 @@ def _claim_values(
 
 
 def _lookup(req: Request) -> Any:
-    params = {"b_client": req.client, "b_key": req.key}
-    if is_sqlite():
-        row = db.session.connection().execute(_LOOKUP, params).one_or_none()
-        end_read()
-        return row
-    # PostgreSQL: a replay needs nothing but this read, so it runs outside a
-    # transaction (no BEGIN, no ROLLBACK: one round trip instead of three).
-    with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return conn.execute(_LOOKUP, params).one_or_none()
+    # A replay needs nothing but this read, so it runs outside a transaction
+    # (no BEGIN, no ROLLBACK: on PostgreSQL one round trip instead of three).
+    with autocommit_connection() as conn:
+        return conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
 
 
 def _take_over(

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import ColumnElement, CursorResult, and_, insert, or_, select, update
+from sqlalchemy.engine import Connection
 
 from ..database import commit_without_waiting_for_disk
 from ..extensions import db
@@ -97,10 +98,12 @@ def _claimable(now: datetime) -> ColumnElement[bool]:
     )
 
 
-def enqueue(rows: list[dict[str, Any]], now: datetime) -> None:
-    """Insert pending deliveries in the current (event's) transaction."""
+def enqueue(
+    rows: list[dict[str, Any]], now: datetime, connection: Connection | None = None
+) -> None:
+    """Insert pending deliveries in the event's transaction (the session's, or ``connection``'s)."""
     if rows:
-        db.session.execute(
+        (connection or db.session).execute(
             insert(_t),
             [
                 {

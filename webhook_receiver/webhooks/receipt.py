@@ -1,12 +1,15 @@
 """Receiving one provider delivery: verify, identify, then store once.
 
 The event row is the dedup marker: its unique (source, dedup key)
-constraint decides between racing copies. One upsert stores a new event or,
-for the same key with the same fingerprint, increments its duplicate count
-in the database (no read-modify-write); other content under the key is a
-conflict, kept for review. On PostgreSQL the upsert, the redelivery's time
-and the new event's deliveries are one statement in its own transaction:
-one round trip, committed before the answer.
+constraint decides between racing copies. The key is read first, since
+redeliveries are common and a read is cheaper than a failed write: a
+redelivery with the same fingerprint is answered from the stored event and
+writes nothing in the request (its count is recorded in a batch, see
+duplicates.py); other content under the key is a conflict, kept for review;
+an absent key is inserted, and a racing copy that loses the insert reads the
+winner's event. On PostgreSQL the read, the insert and the new event's
+deliveries are one statement in its own transaction: one round trip,
+committed before the answer.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from sqlalchemy import String, bindparam, insert, literal_column, select
 from sqlalchemy import true as literal_true
 from werkzeug.datastructures import Headers
 
-from .. import correlation, events
-from ..database import dialect_insert, end_read, is_sqlite
+from .. import correlation, duplicates, events
+from ..database import autocommit_connection, dialect_insert, is_sqlite, write_transaction
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..models import Event, EventConflict, EventDuplicate, Rejection, UTCDateTime, utcnow
+from ..models import Event, EventConflict, Rejection, UTCDateTime, utcnow
 from ..observability import metrics
 from ..problems import Problem
 from ..processing import deliveries, outbox
@@ -44,7 +47,6 @@ from .providers import (
 log = logging.getLogger(__name__)
 
 _events = Event.__table__
-_duplicates = EventDuplicate.__table__
 _conflicts = EventConflict.__table__
 
 
@@ -150,7 +152,6 @@ def _store(
     content_type: str,
     headers: Headers,
 ) -> Receipt:
-    session = db.session
     key = identified.dedup_key
     # Everything is prepared before the first write: on SQLite the write
     # lock is held from it to the commit, and every writer waits meanwhile.
@@ -169,35 +170,31 @@ def _store(
     for _ in range(3):
         values["received_at"] = utcnow()
         if is_sqlite():
-            duplicate_of, event_id = _receive_in_transaction(values)
+            stored, event_id = _receive_in_transaction(values)
         else:
-            duplicate_of, event_id = _receive_in_one_statement(values)
-        if duplicate_of is not None:
-            session.commit()
-            _log("duplicate", source, key, duplicate_of)
-            metrics.duplicate(source.name)
-            return Receipt("duplicate", accepted_body(duplicate_of), duplicate_of)
+            stored, event_id = _receive_in_one_statement(values)
         if event_id is not None:
-            session.commit()
             _log("accepted", source, key, event_id)
             metrics.received(source.name)
             return Receipt("accepted", accepted_body(event_id), event_id)
-        # The key holds other content (or its event was purged in between:
-        # then the next round stores this one).
-        session.rollback()
-        existing = events.find_by_key(source.name, key)
-        end_read()
-        if existing is None or existing.fingerprint == print_:
-            continue
-        _keep_conflict(existing.id, values)
-        session.commit()
+        if stored is None:
+            continue  # a racing copy won the insert: read what it stored
+        if stored.fingerprint == print_:
+            # The answer needs nothing more than the stored event; the count
+            # is bookkeeping, written in a batch (see duplicates.py).
+            duplicates.record(stored.id, values["received_at"])
+            _log("duplicate", source, key, stored.id)
+            metrics.duplicate(source.name)
+            return Receipt("duplicate", accepted_body(stored.id), stored.id)
+        _keep_conflict(stored.id, values)
+        db.session.commit()
         log.error(
             "dedup key reused with different content",
             extra={
                 "outcome": "conflict",
                 "source": source.name,
                 "dedup_key": key,
-                "event_id": existing.id,
+                "event_id": stored.id,
                 "correlation_id": correlation.current(),
             },
         )
@@ -206,30 +203,60 @@ def _store(
             "dedup-key-conflict",
             "an event with this key and different content was already received; "
             "this delivery is kept for review",
-            event_id=existing.id,
+            event_id=stored.id,
         )
     raise RuntimeError("receipt did not settle")  # pragma: no cover
 
 
-# Built once: constructing statements costs more Python than running them.
-_RECORD_DUPLICATE = insert(_duplicates)
+def _receive_in_transaction(values: dict[str, Any]) -> tuple[Any, int | None]:
+    """SQLite: read the key; only when it is absent, insert and commit.
+
+    Redeliveries are read-only: a read needs no turn at the write lock, so
+    a storm of copies does not queue behind new events. The insert's
+    unique constraint still decides between racing first copies: the loser
+    inserts nothing and reads the winner's event on the next round.
+    Returns as ``_receive_in_one_statement`` does.
+    """
+    with autocommit_connection() as conn:
+        stored = events.find_by_key(values["source"], values["dedup_key"], conn)
+        if stored is not None:
+            return stored, None
+        # The session is left out: on this path its bookkeeping cost more
+        # than the statements (measured: bench/README.md).
+        with write_transaction(conn):
+            event_id = events.insert_event(values, conn)
+    return None, event_id
 
 
-def _sqlite_upsert() -> Any:
-    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+def _receive_in_one_statement(values: dict[str, Any]) -> tuple[Any, int | None]:
+    """PostgreSQL: receive in one statement, its own transaction, one round trip.
 
-    statement = sqlite_insert(_events)
-    return statement.on_conflict_do_update(
-        index_elements=["source", "dedup_key"],
-        set_={
-            "duplicate_count": _events.c.duplicate_count + 1,
-            "last_duplicate_at": statement.excluded.received_at,
-        },
-        where=_events.c.fingerprint == statement.excluded.fingerprint,
-    ).returning(_events.c.id, _events.c.duplicate_count)
+    Returns (the (id, fingerprint) stored under the key, None) when the key
+    is taken, (None, the new event's id) when this delivery was stored, and
+    (None, None) when a racing copy won the insert after this statement's
+    snapshot. A taken key writes nothing, so its commit is free; a new
+    event commits durably, deliveries included, before the statement returns,
+    so the 2xx that follows still comes after it.
+    """
+    consumers = outbox.consumers_for(values["source"], values["event_type"])
+    bind = {
+        **{f"v_{name}": value for name, value in values.items()},
+        "v_consumers": [name for name, _ in consumers],
+        "v_kinds": [kind for _, kind in consumers],
+        "v_pending": deliveries.PENDING,
+    }
+    with autocommit_connection() as conn:
+        row = conn.execute(_receive_statement(), bind).one()
+    if row.stored_id is not None:
+        return _Stored(row.stored_id, row.stored_fingerprint), None
+    return None, row.event_id
 
 
-_UPSERT_SQLITE = _sqlite_upsert()
+@dataclass(frozen=True)
+class _Stored:
+    id: int
+    fingerprint: str
+
 
 _EVENT_COLUMNS = (
     "source",
@@ -247,54 +274,13 @@ _EVENT_COLUMNS = (
 _RECEIVE: list[Any] = []
 
 
-def _receive_in_transaction(values: dict[str, Any]) -> tuple[int | None, int | None]:
-    """SQLite: insert the event, or count the redelivery, in the session's transaction.
-
-    One upsert does either: a new key inserts (``duplicate_count`` 0), the
-    same key with the same fingerprint increments the count in the database
-    (no read-modify-write), other content matches nothing. It is a write and
-    comes first, as SQLite needs (see database.py). The caller commits.
-    Returns as ``_receive_in_one_statement`` does.
-    """
-    conn = db.session.connection()
-    row = conn.execute(_UPSERT_SQLITE, values).first()
-    if row is None:
-        return None, None
-    if row.duplicate_count == 0:
-        events.enqueue_deliveries(row.id, values)
-        return None, row.id
-    conn.execute(_RECORD_DUPLICATE, {"event_id": row.id, "received_at": values["received_at"]})
-    return row.id, None
-
-
-def _receive_in_one_statement(values: dict[str, Any]) -> tuple[int | None, int | None]:
-    """PostgreSQL: receive in one statement, its own transaction, one round trip.
-
-    Returns (the id of the event this duplicates, the id of the new event);
-    both None when the key holds other content. Running outside an explicit
-    transaction saves the BEGIN and COMMIT round trips: the statement commits
-    durably before it returns, so the 2xx that follows still comes after it.
-    """
-    consumers = outbox.consumers_for(values["source"], values["event_type"])
-    bind = {
-        **{f"v_{name}": value for name, value in values.items()},
-        "v_consumers": [name for name, _ in consumers],
-        "v_kinds": [kind for _, kind in consumers],
-        "v_pending": deliveries.PENDING,
-    }
-    with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        row = conn.execute(_receive_statement(), bind).one()
-    return row.duplicate_of, row.event_id
-
-
 def _receive_statement() -> Any:
     """PostgreSQL's one-statement receipt, built on first use.
 
-    ``upserted`` inserts the event, or increments the count of the one
-    stored under the key when its fingerprint matches (the conflict waits
-    for a racing copy's commit, then counts it), or does nothing for other
-    content; ``recorded`` notes a redelivery's time; ``enqueued`` writes a
-    new event's deliveries (the outbox). All of it commits together.
+    ``stored`` reads the event under the key; ``inserted`` inserts this one
+    only when there is none (``ON CONFLICT DO NOTHING`` for a racing copy
+    committed after the snapshot); ``enqueued`` writes a new event's
+    deliveries (the outbox). All of it commits together.
     """
     if not _RECEIVE:
         from sqlalchemy import func
@@ -304,28 +290,23 @@ def _receive_statement() -> Any:
         from ..models import Delivery
 
         now = bindparam("v_received_at", type_=UTCDateTime())
+        stored = (
+            select(_events.c.id, _events.c.fingerprint)
+            .where(
+                _events.c.source == bindparam("v_source"),
+                _events.c.dedup_key == bindparam("v_dedup_key"),
+            )
+            .cte("stored")
+        )
         new_row = select(
             *[bindparam(f"v_{name}", type_=_events.c[name].type) for name in _EVENT_COLUMNS]
-        )
-        upsert = pg_insert(_events).from_select(list(_EVENT_COLUMNS), new_row)
-        upserted = (
-            upsert.on_conflict_do_update(
-                index_elements=["source", "dedup_key"],
-                set_={
-                    "duplicate_count": _events.c.duplicate_count + 1,
-                    "last_duplicate_at": upsert.excluded.received_at,
-                },
-                where=_events.c.fingerprint == upsert.excluded.fingerprint,
-            )
-            .returning(_events.c.id, _events.c.duplicate_count)
-            .cte("upserted")
-        )
-        is_new = upserted.c.duplicate_count == 0
-        recorded = (
-            insert(_duplicates)
-            .from_select(["event_id", "received_at"], select(upserted.c.id, now).where(~is_new))
-            .returning(_duplicates.c.event_id)
-            .cte("recorded")
+        ).where(~select(stored.c.id).exists())
+        inserted = (
+            pg_insert(_events)
+            .from_select(list(_EVENT_COLUMNS), new_row)
+            .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
+            .returning(_events.c.id)
+            .cte("inserted")
         )
         wanted = (
             func.unnest(
@@ -350,7 +331,7 @@ def _receive_statement() -> Any:
                     "updated_at",
                 ],
                 select(
-                    upserted.c.id,
+                    inserted.c.id,
                     wanted.c.consumer,
                     wanted.c.kind,
                     bindparam("v_pending", type_=String()),
@@ -358,17 +339,16 @@ def _receive_statement() -> Any:
                     now,
                     now,
                     now,
-                )
-                .select_from(upserted.join(wanted, literal_true()))
-                .where(is_new),
+                ).select_from(inserted.join(wanted, literal_true())),
             )
             .returning(_deliveries.c.id)
             .cte("enqueued")
         )
         _RECEIVE.append(
             select(
-                select(recorded.c.event_id).scalar_subquery().label("duplicate_of"),
-                select(upserted.c.id).where(is_new).scalar_subquery().label("event_id"),
+                select(stored.c.id).scalar_subquery().label("stored_id"),
+                select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
+                select(inserted.c.id).scalar_subquery().label("event_id"),
                 select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
             )
         )

@@ -1,0 +1,227 @@
+"""Redeliveries recorded in batches, off the path of the answer.
+
+A redelivery of a stored event changes nothing idempotency rests on: its
+answer comes from the event, already committed. What it adds is
+bookkeeping for operators: the event's ``duplicate_count`` and
+``last_duplicate_at``, and an ``event_duplicates`` row with its time.
+Written per request, that bookkeeping made each duplicate a write
+transaction (on SQLite a turn at the single write lock, on PostgreSQL a
+lock on the event's row that a storm of copies queues behind), so a
+duplicate cost more than a new event, just when a provider's retry storm
+needs them cheap. Instead each process keeps the redeliveries it answered
+and writes them together in one short transaction, at most
+``DUPLICATE_FLUSH_SECONDS`` later, and again when it exits. The Prometheus
+counter counts each one at once.
+
+What this gives up: a process killed outright (SIGKILL, power loss) loses
+the redeliveries it had not written yet, at most that many seconds' worth,
+so stored counts may fall short but never run over. A write that fails
+(the database away) is tried again on the next round; past
+``MAX_PENDING`` unwritten redeliveries the oldest are dropped, with a log
+line saying how many. ``DUPLICATE_FLUSH_SECONDS = 0`` writes each one in
+its own request instead, before the answer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import datetime
+
+from flask import Flask, current_app
+from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
+from sqlalchemy.engine import Engine
+
+from .extensions import db
+from .models import Event, EventDuplicate, UTCDateTime
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "webhook_receiver.duplicates"
+MAX_PENDING = 100_000
+
+_events = Event.__table__
+_duplicates = EventDuplicate.__table__
+
+_at = bindparam("b_at", type_=UTCDateTime())
+# Counts add up in the database, so two processes' batches never overwrite
+# each other; the latest time wins whatever order the batches land in.
+_COUNT = (
+    update(_events)
+    .where(_events.c.id == bindparam("b_id"))
+    .values(
+        duplicate_count=_events.c.duplicate_count + bindparam("b_n"),
+        last_duplicate_at=case(
+            (_events.c.last_duplicate_at.is_(None), _at),
+            (_events.c.last_duplicate_at < _at, _at),
+            else_=_events.c.last_duplicate_at,
+        ),
+    )
+)
+# An event purged since its redelivery was answered gets no row (nor a
+# foreign-key error that would hold up the rest of the batch).
+_RECORD = insert(_duplicates).from_select(
+    ["event_id", "received_at"],
+    select(bindparam("r_id", type_=Integer()), bindparam("r_at", type_=UTCDateTime())).where(
+        exists().where(_events.c.id == bindparam("r_id"))
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Redelivery:
+    event_id: int
+    received_at: datetime
+
+
+class DuplicateLedger:
+    """One process's redeliveries not yet written, and the thread that writes them."""
+
+    def __init__(self, engine: Engine, flush_seconds: float) -> None:
+        self.engine = engine
+        self.flush_seconds = flush_seconds
+        self._pending: list[Redelivery] = []
+        self._lock = threading.Lock()  # guards _pending
+        self._flushing = threading.Lock()  # one write at a time (thread and exit)
+        self._due = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._pid = os.getpid()
+        _LEDGERS.add(self)
+
+    def record(self, event_id: int, received_at: datetime) -> None:
+        """Note one redelivery of ``event_id``; it is written within the flush interval."""
+        if self.flush_seconds == 0:
+            self._write([Redelivery(event_id, received_at)])
+            return
+        with self._lock:
+            self._pending.append(Redelivery(event_id, received_at))
+        self._start_thread()
+        self._due.set()
+
+    def pending(self) -> int:
+        """How many redeliveries wait to be written."""
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self) -> int:
+        """Write what is pending now; return how many were written (0 if the write failed)."""
+        with self._flushing:
+            with self._lock:
+                batch, self._pending = self._pending, []
+            if not batch:
+                return 0
+            try:
+                self._write(batch)
+            except Exception:
+                log.warning(
+                    "could not record %d redeliveries; will try again",
+                    len(batch),
+                    exc_info=True,
+                    extra={"outcome": "duplicates_unrecorded"},
+                )
+                self._put_back(batch)
+                return 0
+            return len(batch)
+
+    def close(self) -> None:
+        """Stop the thread and write what is pending."""
+        self._closing.set()
+        self._due.set()
+        thread = self._thread
+        if thread is not None and self._pid == os.getpid():
+            thread.join(timeout=self.flush_seconds + 30)
+        self.flush()
+
+    def _write(self, batch: list[Redelivery]) -> None:
+        counts: dict[int, tuple[int, datetime]] = {}
+        for r in batch:
+            n, last = counts.get(r.event_id, (0, r.received_at))
+            counts[r.event_id] = (n + 1, max(last, r.received_at))
+        # The UPDATE comes first: on SQLite a transaction must start with its
+        # write (see database.py), and it orders this batch after a purge.
+        with self.engine.begin() as conn:
+            # Rows locked in id order: two processes' batches never deadlock.
+            conn.execute(
+                _COUNT,
+                [{"b_id": i, "b_n": n, "b_at": at} for i, (n, at) in sorted(counts.items())],
+            )
+            conn.execute(_RECORD, [{"r_id": r.event_id, "r_at": r.received_at} for r in batch])
+
+    def _put_back(self, batch: list[Redelivery]) -> None:
+        with self._lock:
+            self._pending[:0] = batch
+            overflow = len(self._pending) - MAX_PENDING
+            if overflow > 0:
+                del self._pending[:overflow]
+        if overflow > 0:
+            log.error(
+                "dropped %d unrecorded redeliveries (more than %d waiting)",
+                overflow,
+                MAX_PENDING,
+                extra={"outcome": "duplicates_dropped"},
+            )
+        self._due.set()  # try again after the interval
+
+    def _start_thread(self) -> None:
+        # A forked child (a gunicorn worker of a preloaded app) has no copy of
+        # its parent's thread: it starts its own.
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(
+                target=self._run, name="duplicate-ledger", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            # Let the interval gather a batch (close() writes what is left);
+            # what arrives while the batch is written sets _due again.
+            if self._closing.wait(self.flush_seconds):
+                return
+            self._due.clear()
+            self.flush()
+
+
+_LEDGERS: weakref.WeakSet[DuplicateLedger] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # A gunicorn worker stopped gracefully (SIGTERM, max_requests, reload)
+    # exits through here: what it answered is written before it goes.
+    for ledger in list(_LEDGERS):
+        if ledger._pid == os.getpid():
+            for _ in range(3):  # no later round will come
+                ledger.flush()
+                if not ledger.pending():
+                    break
+
+
+def record(event_id: int, received_at: datetime) -> None:
+    """Note a redelivery of ``event_id`` in the current app's ledger."""
+    ledger: DuplicateLedger = current_app.extensions[EXTENSION]
+    ledger.record(event_id, received_at)
+
+
+def flush(app: Flask) -> int:
+    """Write this app's pending redeliveries now (tests, shutdown hooks)."""
+    ledger: DuplicateLedger = app.extensions[EXTENSION]
+    return ledger.flush()
+
+
+def init_app(app: Flask) -> None:
+    """Give the app a ledger on its engine."""
+    with app.app_context():
+        engine = db.engine
+    seconds = float(app.config["DUPLICATE_FLUSH_SECONDS"])
+    app.extensions[EXTENSION] = DuplicateLedger(engine, seconds)
