@@ -176,9 +176,7 @@ class DuplicateLedger:
             if self._thread is not None and self._pid == os.getpid():
                 return
             self._pid = os.getpid()
-            self._thread = threading.Thread(
-                target=self._run, name="duplicate-ledger", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="duplicate-ledger", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
