@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.engine import Connection
 
-from .database import autocommit_connection, insert_ignoring_conflicts
+from .database import autocommit_connection
 from .extensions import db
 from .models import Event
 from .processing import outbox
@@ -37,7 +37,7 @@ def insert_event(values: dict[str, Any], connection: Connection | None = None) -
     (the outbox).
     """
     connection = connection or db.session.connection()
-    event_id = connection.execute(_insert_statement(), values).scalar()
+    event_id = connection.execute(insert_statement(db.engine.dialect.name), values).scalar()
     if event_id is not None:
         outbox.enqueue(
             event_id,
@@ -52,13 +52,20 @@ def insert_event(values: dict[str, Any], connection: Connection | None = None) -
 _INSERTS: dict[str, Any] = {}
 
 
-def _insert_statement() -> Any:
-    # One statement per dialect, built once and run through the session's
-    # connection: cheaper than building it, and than the ORM's execute.
-    dialect = db.engine.dialect.name
+def insert_statement(dialect: str) -> Any:
+    """The event INSERT of ``dialect``: nothing on a taken key, else the new id."""
+    # One statement per dialect, built once and run through a connection:
+    # cheaper than building it, and than the ORM's execute.
     statement = _INSERTS.get(dialect)
     if statement is None:
-        statement = insert_ignoring_conflicts(_t, ["source", "dedup_key"]).returning(_t.c.id)
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        statement = (
+            insert(_t)
+            .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
+            .returning(_t.c.id)
+        )
         _INSERTS[dialect] = statement
     return statement
 
@@ -87,7 +94,7 @@ def iso(moment: datetime | None) -> str | None:
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-_FIND_BY_KEY = select(_t.c.id, _t.c.fingerprint).where(
+FIND_BY_KEY = select(_t.c.id, _t.c.fingerprint).where(
     _t.c.source == bindparam("b_source"), _t.c.dedup_key == bindparam("b_key")
 )
 
@@ -100,6 +107,6 @@ def find_by_key(source: str, dedup_key: str, connection: Connection | None = Non
     """
     params = {"b_source": source, "b_key": dedup_key}
     if connection is not None:
-        return connection.execute(_FIND_BY_KEY, params).one_or_none()
+        return connection.execute(FIND_BY_KEY, params).one_or_none()
     with autocommit_connection() as own:
-        return own.execute(_FIND_BY_KEY, params).one_or_none()
+        return own.execute(FIND_BY_KEY, params).one_or_none()
