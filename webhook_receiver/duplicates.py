@@ -36,6 +36,7 @@ from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
 from sqlalchemy.engine import Engine
 
+from .database import writer_turn
 from .extensions import db
 from .models import Event, EventDuplicate, UTCDateTime
 
@@ -144,7 +145,7 @@ class DuplicateLedger:
             counts[r.event_id] = (n + 1, max(last, r.received_at))
         # The UPDATE comes first: on SQLite a transaction must start with its
         # write (see database.py), and it orders this batch after a purge.
-        with self.engine.begin() as conn:
+        with writer_turn(self.engine), self.engine.begin() as conn:
             # Rows locked in id order: two processes' batches never deadlock.
             conn.execute(
                 _COUNT,

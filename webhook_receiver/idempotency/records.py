@@ -23,6 +23,7 @@ from ..database import (
     commit_without_waiting_for_disk,
     insert_ignoring_conflicts,
     is_sqlite,
+    writer_turn,
 )
 from ..extensions import db
 from ..models import IdempotencyRecord
@@ -92,21 +93,22 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
         row = _lookup(req)
         token = secrets.token_hex(16)
         if row is None:
-            commit_without_waiting_for_disk()
-            inserted = (
-                session.connection()
-                .execute(
-                    insert_ignoring_conflicts(_t, ["client", "key"])
-                    .values(
-                        client=req.client,
-                        key=req.key,
-                        **_claim_values(req, token, now, lease, ttl),
+            with writer_turn():
+                commit_without_waiting_for_disk()
+                inserted = (
+                    session.connection()
+                    .execute(
+                        insert_ignoring_conflicts(_t, ["client", "key"])
+                        .values(
+                            client=req.client,
+                            key=req.key,
+                            **_claim_values(req, token, now, lease, ttl),
+                        )
+                        .returning(_t.c.id)
                     )
-                    .returning(_t.c.id)
+                    .scalar()
                 )
-                .scalar()
-            )
-            session.commit()
+                session.commit()
             if inserted is not None:
                 return Claimed(inserted, token)
             continue  # another first request won the insert: read its record
@@ -165,10 +167,19 @@ def _lookup(req: Request) -> Any:
 def _take_over(
     record_id: int, req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
 ) -> bool:
+    with writer_turn():
+        commit_without_waiting_for_disk()
+        result = _conditional_take_over(record_id, req, token, now, lease, ttl)
+        db.session.commit()
+    return result.rowcount == 1
+
+
+def _conditional_take_over(
+    record_id: int, req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
+) -> Any:
     # One conditional UPDATE: it matches only while the record is still
     # expired or abandoned, so two requests cannot both take it over.
-    commit_without_waiting_for_disk()
-    result = db.session.connection().execute(
+    return db.session.connection().execute(
         update(_t)
         .where(
             _t.c.id == record_id,
@@ -185,8 +196,6 @@ def _take_over(
             response_body=None,
         )
     )
-    db.session.commit()
-    return result.rowcount == 1
 
 
 def hold(claimed: Claimed) -> None:

@@ -31,6 +31,7 @@ from ..database import (
     is_sqlite,
     sqlite_cursor,
     write_transaction,
+    writer_turn,
 )
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
@@ -260,7 +261,9 @@ def _receive_event_alone(values: dict[str, Any]) -> tuple[Any, int | None]:
         row = cursor.execute(find.sql, find.params(keys)).fetchone()
         if row is not None:
             return _Stored(*row), None
-        row = cursor.execute(insert_.sql, insert_.params(values)).fetchone()
+        params = insert_.params(values)
+        with writer_turn():
+            row = cursor.execute(insert_.sql, params).fetchone()
     return None, None if row is None else row[0]
 
 
