@@ -9,7 +9,8 @@ server at ``--database-url``; it is dropped afterwards.
 
 It checks what the nodes must guarantee together: every delivery answered
 2xx, one stored event per dedup key, and per key
-``duplicate_count == deliveries - 1`` (and as many event_duplicates rows),
+``duplicate_count == deliveries - 1`` (and as many event_duplicates rows,
+once the batch of redeliveries is written, within a second),
 whichever instance took each copy. It prints a Markdown table.
 
     .venv/bin/python -m bench.scaleout --seconds 8
@@ -34,7 +35,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -322,24 +323,17 @@ def verify(db_url: str, journal: Journal) -> dict[str, int]:
     per_key: dict[str, list[Answer]] = defaultdict(list)
     for answer in answers:
         per_key[answer.key].append(answer)
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT e.dedup_key, count(*) OVER (PARTITION BY e.dedup_key), e.id,"
-                " e.duplicate_count,"
-                " (SELECT count(*) FROM event_duplicates d WHERE d.event_id = e.id)"
-                " FROM events e WHERE e.source = :source"
-            ),
-            {"source": SOURCE},
-        ).all()
-    engine.dispose()
-    # Only this journal's keys: the storm runs on the database the load filled.
-    stored = {
-        key: (n, event_id, dups, dup_rows)
-        for key, n, event_id, dups, dup_rows in rows
-        if key in per_key
-    }
+    # Redeliveries are counted in batches, within DUPLICATE_FLUSH_SECONDS
+    # (1 s) of their answer: read until every count is in, or 10 s have passed.
+    deadline = time.monotonic() + 10
+    while True:
+        stored = _stored(db_url, per_key)
+        counted = all(
+            key in stored and stored[key][2] >= len(tries) - 1 for key, tries in per_key.items()
+        )
+        if counted or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert set(stored) == set(per_key), "an acknowledged delivery was not stored"
     crossed = 0
     for key, tries in per_key.items():
@@ -353,6 +347,29 @@ def verify(db_url: str, journal: Journal) -> dict[str, int]:
         "keys": len(per_key),
         "duplicates": sum(len(t) - 1 for t in per_key.values()),
         "keys_seen_by_both": crossed,
+    }
+
+
+def _stored(db_url: str, keys: Iterable[str]) -> dict[str, tuple[int, int, int, int]]:
+    """Per key: how many events, the event's id, its duplicate count and duplicate rows."""
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT e.dedup_key, count(*) OVER (PARTITION BY e.dedup_key), e.id,"
+                " e.duplicate_count,"
+                " (SELECT count(*) FROM event_duplicates d WHERE d.event_id = e.id)"
+                " FROM events e WHERE e.source = :source"
+            ),
+            {"source": SOURCE},
+        ).all()
+    engine.dispose()
+    # Only these keys: the storm runs on the database the load filled.
+    wanted = set(keys)
+    return {
+        key: (n, event_id, dups, dup_rows)
+        for key, n, event_id, dups, dup_rows in rows
+        if key in wanted
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
@@ -19,7 +20,7 @@ from typing import Any, cast
 from flask import Flask
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
@@ -166,13 +167,14 @@ class SQLiteWriterTurns:
     """Writers to one SQLite file take turns through an flock on a file beside it.
 
     A writer that finds SQLite's write lock taken polls for it: the busy
-    handler sleeps 1, 2, 5, 10 ms... between tries, so under several
-    gunicorn workers a write that waits loses milliseconds while the holder
-    needs a fraction of one (p99 latencies of tens of ms in bench/README.md).
-    Waiting on flock instead, the kernel wakes the next writer as soon as
-    the lock is let go. Writers that do not take a turn still meet SQLite's
-    own lock and its busy timeout, as before; a killed holder's turn ends
-    with it.
+    handler sleeps 1, 2, 5, 10, 15, 20, 25 ms... between tries, so under
+    several gunicorn workers a write that waits loses milliseconds while the
+    holder needs a fraction of one (p99 latencies of tens of ms in
+    bench/README.md). Waiting for the turn polls in steps of 50 µs to 1 ms
+    instead, and the turn ends the moment its holder's commit does. Writers
+    that take no turn still meet SQLite's own lock and busy timeout, as
+    before; a killed holder's turn ends with it. Waiting for a turn is
+    bounded by the same busy timeout, then it fails as a locked database.
     """
 
     def __init__(self, database_path: str) -> None:
@@ -185,21 +187,38 @@ class SQLiteWriterTurns:
     def turn(self) -> Iterator[None]:
         """Hold the writers' turn for the block."""
         if self._pid != os.getpid():
+            # An flock belongs to the open file, shared by the processes that
+            # inherit its descriptor: each process (each worker) opens its own.
             self._depth = 0
-            # An flock is shared by the processes a descriptor is inherited
-            # by: each process (each gunicorn worker) opens its own.
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             self._pid = os.getpid()
-        assert self._fd is not None
         if self._depth == 0:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._wait_for_turn()
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                fcntl.flock(self._fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+
+    def _wait_for_turn(self) -> None:
+        assert self._fd is not None
+        deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+        delay = 0.00005
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OperationalError(
+                        "waiting for the writers' turn",
+                        None,
+                        sqlite3.OperationalError("database is locked"),
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.001)
 
 
 _TURNS: dict[str, SQLiteWriterTurns] = {}

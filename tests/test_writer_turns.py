@@ -1,0 +1,135 @@
+"""SQLite writers take turns through an flock beside the database (database.writer_turn)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from webhook_receiver import create_app, database
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Event
+
+from .conftest import SECRET_KEY
+from .webhooks import signing as s
+
+# Another process that holds the turn until told to let go.
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+# Another process that says whether it could take the turn right now.
+PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except BlockingIOError:
+    print("taken")
+"""
+
+
+@pytest.fixture
+def sqlite_app(_sqlite_template, tmp_path):
+    """The app on a SQLite file of its own: turns are SQLite's alone."""
+    path = tmp_path / "turns.sqlite3"
+    shutil.copyfile(_sqlite_template, path)
+    app = create_app(
+        {
+            "TESTING": True,
+            "SECRET_KEY": SECRET_KEY,
+            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{path}",
+            "DUPLICATE_FLUSH_SECONDS": 0,
+            "RECEIVER_CONFIG": {"sources": s.SOURCES},
+        }
+    )
+    yield app
+    with app.app_context():
+        db.session.remove()
+        db.engine.dispose()
+
+
+def lock_path(app) -> str:
+    with app.app_context():
+        return str(db.engine.url.database) + "-writers.lock"
+
+
+@contextmanager
+def turn_held_elsewhere(path: str):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.communicate("\n", timeout=10)
+
+
+def probe(path: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, path], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def events(app) -> int:
+    with app.app_context():
+        return db.session.scalar(select(func.count()).select_from(Event))
+
+
+def deliver(client, event_id: str):
+    body, headers = s.stripe_delivery({"id": event_id, "type": "invoice.paid", "data": {}})
+    return client.post("/webhooks/stripe-live", data=body, headers=headers)
+
+
+def test_a_write_waits_for_the_turn_and_gives_up_as_a_locked_database(sqlite_app, monkeypatch):
+    app, client = sqlite_app, sqlite_app.test_client()
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    with turn_held_elsewhere(lock_path(app)):
+        # SQLite itself is not locked: only the turn held elsewhere stops it.
+        refused = deliver(client, "evt_1")
+        assert refused.status_code == 503
+        assert refused.json["type"].endswith("/problems/database-unavailable")
+        assert events(app) == 0
+        # Reads need no turn.
+        assert client.get("/readyz").status_code == 200
+    assert deliver(client, "evt_1").status_code == 200
+    assert events(app) == 1
+    assert probe(lock_path(app)) == "free"
+
+
+def test_a_turn_inside_a_turn_is_the_same_turn(sqlite_app):
+    app = sqlite_app
+    path = lock_path(app)
+    with app.app_context():
+        with database.writer_turn():
+            with database.writer_turn():
+                assert probe(path) == "taken"
+            # Leaving the inner block does not end the outer turn.
+            assert probe(path) == "taken"
+        assert probe(path) == "free"
+
+
+def test_a_write_inside_a_turn_goes_through(make_app, db_url, tmp_path):
+    # A receipt in a turn already held (SQLite) or with no turn to take
+    # (PostgreSQL, where no lock file appears).
+    app = make_app({"sources": s.SOURCES})
+    with app.app_context():
+        with database.writer_turn():
+            assert deliver(app.test_client(), "evt_1").status_code == 200
+    assert events(app) == 1
+    locks = list(Path(tmp_path).glob("*-writers.lock"))
+    assert len(locks) == (1 if db_url.startswith("sqlite") else 0)
