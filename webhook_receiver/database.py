@@ -15,7 +15,7 @@ import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, cast
+from typing import Any
 
 from flask import Flask
 from sqlalchemy import event, text
@@ -135,13 +135,14 @@ def write_transaction(connection: Connection) -> Iterator[Connection]:
 
 
 class DriverStatement:
-    """A Core statement compiled once for SQLite and run straight on the driver's cursor.
+    """A Core statement compiled once and run straight on the driver's cursor.
 
     SQLAlchemy still writes the SQL and converts each value as it would
     (JSON, UTC datetimes, through the columns' own types); what is skipped
     is its per-execution machinery (events, execution contexts, result
     wrappers), which on the webhook receipt cost more CPU than the
-    statements themselves (bench/README.md). For hot paths only.
+    statements themselves (bench/README.md). For hot paths only, through
+    ``driver_cursor()``.
     """
 
     def __init__(
@@ -151,16 +152,68 @@ class DriverStatement:
             dialect=dialect, column_keys=list(column_keys) if column_keys else None
         )
         self.sql = str(compiled)
+        # qmark (SQLite) binds by position, pyformat (psycopg) by name.
+        self._positional = compiled.positiontup is not None
+        names = compiled.positiontup if self._positional else list(compiled.binds)
         self._binds = [
-            (compiled.binds[name].key, compiled.binds[name].type.bind_processor(dialect))
-            for name in compiled.positiontup or ()
+            (
+                name,
+                compiled.binds[name].key,
+                compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect),
+            )
+            for name in names or ()
         ]
 
-    def params(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
-        """The statement's positional parameters, converted from ``values``."""
-        return tuple(
-            values[key] if process is None else process(values[key]) for key, process in self._binds
+    def params(self, values: Mapping[str, Any]) -> Any:
+        """The statement's parameters, converted from ``values`` (keyed by bind key)."""
+        converted = (
+            (name, values[key] if process is None else process(values[key]))
+            for name, key, process in self._binds
         )
+        if self._positional:
+            return tuple(value for _, value in converted)
+        return dict(converted)
+
+
+@contextmanager
+def driver_cursor() -> Iterator[Any]:
+    """A cursor of a pooled connection outside any transaction, for DriverStatements.
+
+    Each statement is its own transaction, durable when it returns (the
+    SQLite driver runs in autocommit mode, see _on_sqlite_connect; psycopg
+    is switched to it for the block). Driver errors come out as
+    SQLAlchemy's, so a database that is away or locked is a 503 like
+    everywhere else, and a dead connection leaves the pool.
+    """
+    engine = db.engine
+    dialect = engine.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
+    postgresql = dialect.name == "postgresql"
+    pooled = None
+    try:
+        pooled = engine.raw_connection()  # a refused connection raises here too
+        driver = pooled.driver_connection
+        if postgresql:
+            driver.autocommit = True  # type: ignore[union-attr]
+        yield driver.cursor()  # type: ignore[union-attr]
+    except dbapi_error as exc:
+        invalidated = pooled is not None and dialect.is_disconnect(exc, pooled, None)
+        if invalidated:
+            pooled.invalidate(exc)  # type: ignore[union-attr]
+        raise DBAPIError.instance(
+            "",
+            None,
+            exc,
+            dbapi_error,
+            hide_parameters=True,
+            connection_invalidated=invalidated,
+            dialect=dialect,
+        ) from exc
+    finally:
+        if pooled is not None:
+            if postgresql and pooled.is_valid:
+                pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
+            pooled.close()
 
 
 class SQLiteWriterTurns:
@@ -234,26 +287,6 @@ def writer_turn(engine: Engine | None = None) -> AbstractContextManager[None]:
     if turns is None:
         turns = _TURNS[path] = SQLiteWriterTurns(path)
     return turns.turn()
-
-
-@contextmanager
-def sqlite_cursor() -> Iterator[sqlite3.Cursor]:
-    """A cursor of a pooled SQLite connection, for DriverStatements.
-
-    The driver runs in autocommit mode (see _on_sqlite_connect): each
-    statement is its own transaction, durable when it returns. Driver
-    errors come out as SQLAlchemy's, so a locked database is a 503 like
-    everywhere else.
-    """
-    pooled = db.engine.raw_connection()
-    try:
-        yield cast(sqlite3.Connection, pooled.driver_connection).cursor()
-    except sqlite3.Error as exc:
-        raise DBAPIError.instance(
-            "", None, exc, sqlite3.Error, hide_parameters=True, dialect=db.engine.dialect
-        ) from exc
-    finally:
-        pooled.close()
 
 
 def dialect_insert(table: Any) -> Any:

@@ -28,8 +28,8 @@ from ..database import (
     DriverStatement,
     autocommit_connection,
     dialect_insert,
+    driver_cursor,
     is_sqlite,
-    sqlite_cursor,
     write_transaction,
     writer_turn,
 )
@@ -256,7 +256,7 @@ def _receive_event_alone(values: dict[str, Any]) -> tuple[Any, int | None]:
             events.insert_statement("sqlite"), dialect, _EVENT_COLUMNS
         )
     find, insert_ = _SQLITE["find"], _SQLITE["insert"]
-    with sqlite_cursor() as cursor:
+    with driver_cursor() as cursor:
         keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
         row = cursor.execute(find.sql, find.params(keys)).fetchone()
         if row is not None:
@@ -284,11 +284,13 @@ def _receive_in_one_statement(values: dict[str, Any]) -> tuple[Any, int | None]:
         "v_kinds": [kind for _, kind in consumers],
         "v_pending": deliveries.PENDING,
     }
-    with autocommit_connection() as conn:
-        row = conn.execute(_receive_statement(), bind).one()
-    if row.stored_id is not None:
-        return _Stored(row.stored_id, row.stored_fingerprint), None
-    return None, row.event_id
+    statement = _receive_statement()
+    with driver_cursor() as cursor:
+        row = cursor.execute(statement.sql, statement.params(bind)).fetchone()
+    stored_id, stored_fingerprint, event_id, _enqueued = row
+    if stored_id is not None:
+        return _Stored(stored_id, stored_fingerprint), None
+    return None, event_id
 
 
 @dataclass(frozen=True)
@@ -310,10 +312,10 @@ _EVENT_COLUMNS = (
     "duplicate_count",
     "received_at",
 )
-_RECEIVE: list[Any] = []
+_RECEIVE: list[DriverStatement] = []
 
 
-def _receive_statement() -> Any:
+def _receive_statement() -> DriverStatement:
     """PostgreSQL's one-statement receipt, built on first use.
 
     ``stored`` reads the event under the key; ``inserted`` inserts this one
@@ -383,14 +385,13 @@ def _receive_statement() -> Any:
             .returning(_deliveries.c.id)
             .cte("enqueued")
         )
-        _RECEIVE.append(
-            select(
-                select(stored.c.id).scalar_subquery().label("stored_id"),
-                select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
-                select(inserted.c.id).scalar_subquery().label("event_id"),
-                select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
-            )
+        receive = select(
+            select(stored.c.id).scalar_subquery().label("stored_id"),
+            select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
+            select(inserted.c.id).scalar_subquery().label("event_id"),
+            select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
         )
+        _RECEIVE.append(DriverStatement(receive, db.engine.dialect))
     return _RECEIVE[0]
 
 
