@@ -5,17 +5,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
+import threading
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 
 from webhook_receiver import create_app, database
 from webhook_receiver.extensions import db
+from webhook_receiver.idempotency import records
 from webhook_receiver.models import Event
 
-from .conftest import SECRET_KEY
+from .conftest import CLIENTS, SECRET_KEY, bearer
 from .webhooks import signing as s
 
 # Another process that holds the turn until told to let go.
@@ -50,7 +53,7 @@ def sqlite_app(_sqlite_template, tmp_path):
             "SECRET_KEY": SECRET_KEY,
             "SQLALCHEMY_DATABASE_URI": f"sqlite:///{path}",
             "DUPLICATE_FLUSH_SECONDS": 0,
-            "RECEIVER_CONFIG": {"sources": s.SOURCES},
+            "RECEIVER_CONFIG": {"sources": s.SOURCES, "clients": CLIENTS},
         }
     )
     yield app
@@ -133,3 +136,50 @@ def test_a_write_inside_a_turn_goes_through(make_app, db_url, tmp_path):
     assert events(app) == 1
     locks = list(Path(tmp_path).glob("*-writers.lock"))
     assert len(locks) == (1 if db_url.startswith("sqlite") else 0)
+
+
+def test_threads_of_one_process_take_turns_too(sqlite_app, monkeypatch):
+    # A request and the duplicates' batch writer share the process's flock.
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with sqlite_app.app_context(), database.writer_turn():
+            held.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        with sqlite_app.app_context(), pytest.raises(OperationalError):
+            with database.writer_turn():
+                pass
+    finally:
+        done.set()
+        holder.join(10)
+    with sqlite_app.app_context(), database.writer_turn():
+        assert probe(lock_path(sqlite_app)) == "taken"
+
+
+def test_an_api_request_without_a_turn_frees_its_key(sqlite_app, monkeypatch):
+    # The claim commits, then the view cannot get its turn: the answer is a
+    # 503 and the retry runs, instead of waiting out the lease on a 409.
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    client = sqlite_app.test_client()
+    real_claim = records.claim
+    holding = ExitStack()
+
+    def claim_then_lose_the_turn(*args, **kwargs):
+        outcome = real_claim(*args, **kwargs)
+        holding.enter_context(turn_held_elsewhere(lock_path(sqlite_app)))
+        return outcome
+
+    monkeypatch.setattr(records, "claim", claim_then_lose_the_turn)
+    headers = {**bearer(), "Idempotency-Key": "order-1"}
+    body = {"type": "order.created", "data": {"n": 1}}
+    with holding:
+        refused = client.post("/api/events", json=body, headers=headers)
+    assert refused.status_code == 503
+    monkeypatch.setattr(records, "claim", real_claim)
+    assert client.post("/api/events", json=body, headers=headers).status_code == 201

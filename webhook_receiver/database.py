@@ -10,8 +10,10 @@ first, or opens the write transaction with the write.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -24,6 +26,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
+
+log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
@@ -151,6 +155,12 @@ class DriverStatement:
         compiled = statement.compile(
             dialect=dialect, column_keys=list(column_keys) if column_keys else None
         )
+        # Only what is passed in is sent: no Python-side defaults, no
+        # expanding IN lists, no renamed binds (SQLAlchemy would handle them).
+        assert not compiled.insert_prefetch, compiled.insert_prefetch
+        assert not compiled.literal_execute_params
+        assert not compiled.escaped_bind_names
+        assert not any(b.expanding for b in compiled.binds.values())
         self.sql = str(compiled)
         # qmark (SQLite) binds by position, pyformat (psycopg) by name.
         self._positional = compiled.positiontup is not None
@@ -195,11 +205,20 @@ def driver_cursor() -> Iterator[Any]:
         driver = pooled.driver_connection
         if postgresql:
             driver.autocommit = True  # type: ignore[union-attr]
-        yield driver.cursor()  # type: ignore[union-attr]
+        cursor = driver.cursor()  # type: ignore[union-attr]
+        try:
+            yield cursor
+        finally:
+            # Closing ends the statement: on SQLite an autocommitted
+            # statement commits only once it is finished.
+            cursor.close()
     except dbapi_error as exc:
         invalidated = pooled is not None and dialect.is_disconnect(exc, pooled, None)
         if invalidated:
+            # As SQLAlchemy does on a disconnect: the other pooled
+            # connections went with the server, so the pool is replaced.
             pooled.invalidate(exc)  # type: ignore[union-attr]
+            engine.dispose(close=False)
         raise DBAPIError.instance(
             "",
             None,
@@ -234,30 +253,52 @@ class SQLiteWriterTurns:
         self.path = database_path + "-writers.lock"
         self._fd: int | None = None
         self._pid = 0
-        self._depth = 0  # a turn taken inside a turn is the same turn
+        # The flock is the process's; threads of one process (a request and
+        # the duplicates' batch writer) take turns through this lock, and a
+        # turn taken inside a turn by the same thread is the same turn.
+        self._threads = threading.RLock()
+        self._depth = 0
+
+    def open(self) -> None:
+        """Open the lock file for this process, once; raise OSError if it cannot be."""
+        if self._pid == os.getpid():
+            return
+        with _OPENING:  # the request thread and the batch writer's, at once
+            if self._pid != os.getpid():
+                self._open()
+
+    def _open(self) -> None:
+        # An flock belongs to the open file, shared by the processes that
+        # inherit its descriptor: each process (each worker) opens its own,
+        # and starts with no thread holding the turn. The file is created
+        # like SQLite's own: the umask decides who may share it.
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._threads = threading.RLock()
+        self._depth = 0
+        self._pid = os.getpid()
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Hold the writers' turn for the block."""
-        if self._pid != os.getpid():
-            # An flock belongs to the open file, shared by the processes that
-            # inherit its descriptor: each process (each worker) opens its own.
-            self._depth = 0
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            self._pid = os.getpid()
-        if self._depth == 0:
-            self._wait_for_turn()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
-
-    def _wait_for_turn(self) -> None:
-        assert self._fd is not None
+        """Hold the writers' turn for the block (after ``open()``)."""
+        assert self._pid == os.getpid()
         deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+        if not self._threads.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
+            raise _locked()
+        try:
+            if self._depth == 0:
+                self._wait_for_turn(deadline)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+        finally:
+            self._threads.release()
+
+    def _wait_for_turn(self, deadline: float) -> None:
+        assert self._fd is not None
         delay = 0.00005
         while True:
             try:
@@ -265,16 +306,20 @@ class SQLiteWriterTurns:
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise OperationalError(
-                        "waiting for the writers' turn",
-                        None,
-                        sqlite3.OperationalError("database is locked"),
-                    ) from None
+                    raise _locked() from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.001)
 
 
+def _locked() -> OperationalError:
+    # What SQLite itself says past its busy timeout: answered as a 503.
+    return OperationalError(
+        "waiting for the writers' turn", None, sqlite3.OperationalError("database is locked")
+    )
+
+
 _TURNS: dict[str, SQLiteWriterTurns] = {}
+_OPENING = threading.Lock()
 
 
 def writer_turn(engine: Engine | None = None) -> AbstractContextManager[None]:
@@ -286,6 +331,13 @@ def writer_turn(engine: Engine | None = None) -> AbstractContextManager[None]:
     turns = _TURNS.get(path)
     if turns is None:
         turns = _TURNS[path] = SQLiteWriterTurns(path)
+    try:
+        turns.open()
+    except OSError:
+        # The lock file cannot be opened (a read-only folder, another user's
+        # file): SQLite's own lock still keeps writes apart, only slower.
+        log.warning("cannot take turns through %s; writing without", turns.path, exc_info=True)
+        return nullcontext()
     return turns.turn()
 
 

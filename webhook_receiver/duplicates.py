@@ -15,7 +15,9 @@ counter counts each one at once.
 
 What this gives up: a process killed outright (SIGKILL, power loss) loses
 the redeliveries it had not written yet, at most that many seconds' worth,
-so stored counts may fall short but never run over. A write that fails
+so stored counts may fall short. (The one way to run over: the connection
+dies while a batch's COMMIT is on its way, the commit succeeded unseen, and
+the batch is written again.) A write that fails
 (the database away) is tried again on the next round; past
 ``MAX_PENDING`` unwritten redeliveries the oldest are dropped, with a log
 line saying how many. ``DUPLICATE_FLUSH_SECONDS = 0`` writes each one in

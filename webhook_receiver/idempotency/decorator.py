@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode
@@ -142,7 +143,14 @@ def _execute(
     # On SQLite the view runs in the writers' turn: hold() takes the write
     # lock for the whole view anyway, and waiting for a turn is cheaper than
     # polling for that lock.
-    with writer_turn():
+    with ExitStack() as turn:
+        try:
+            turn.enter_context(writer_turn())
+        except BaseException:
+            # No turn within the busy timeout: a 503, and the key is free
+            # for the retry rather than held for the lease.
+            _release_quietly(claimed)
+            raise
         return _execute_in_turn(req, claimed, view, args, kwargs)
 
 
