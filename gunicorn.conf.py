@@ -1,4 +1,4 @@
-"""gunicorn settings the app relies on: Prometheus multiprocess mode.
+"""gunicorn settings the app relies on: Prometheus multiprocess mode, JSON log lines.
 
 gunicorn reads ``./gunicorn.conf.py`` by default, and the Procfile and the
 Makefile name it with ``-c``. Only hooks are set here, so ``--bind`` and
@@ -26,6 +26,52 @@ _OWNED = "_WEBHOOK_RECEIVER_OWNED_METRICS_DIR"
 # This file is read again on a reload (SIGHUP): the directory stays the same.
 if not os.environ.get(_ENV):
     os.environ[_ENV] = os.environ[_OWNED] = tempfile.mkdtemp(prefix="webhook-receiver-metrics-")
+
+
+# gunicorn's own lines (start, workers booting and exiting, timeouts) come as
+# JSON objects like the app's, so one log pipeline reads the whole stream;
+# WEBHOOK_RECEIVER_LOG_FORMAT=text keeps gunicorn's plain lines. The root
+# logger is left without handlers, so the app still installs its own.
+if os.environ.get("WEBHOOK_RECEIVER_LOG_FORMAT", "json") == "json":
+    logconfig_dict = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "root": {"level": "INFO", "handlers": []},
+        "formatters": {
+            "json": {
+                "()": "pythonjsonlogger.json.JsonFormatter",
+                "fmt": "%(levelname)s %(name)s %(message)s %(process)d",
+                "rename_fields": {"levelname": "level", "name": "logger", "process": "pid"},
+                "timestamp": "time",
+            }
+        },
+        "handlers": {
+            "error_console": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            },
+            "console": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stdout",
+            },
+        },
+        "loggers": {
+            "gunicorn.error": {
+                "level": "INFO",
+                "handlers": ["error_console"],
+                "propagate": False,
+                "qualname": "gunicorn.error",
+            },
+            "gunicorn.access": {
+                "level": "INFO",
+                "handlers": ["console"],
+                "propagate": False,
+                "qualname": "gunicorn.access",
+            },
+        },
+    }
 
 
 def _alive(pid: int) -> bool:

@@ -36,6 +36,10 @@ CONFIG = f"""
 provider = "stripe"
 secrets = ["{s.STRIPE_SECRET}"]
 
+[sources.github]
+provider = "github"
+secrets = ["{s.GITHUB_SECRET}"]
+
 [clients.acme]
 token = "{ACME_TOKEN}"
 """
@@ -104,6 +108,15 @@ def webhook(body: bytes, *extra: tuple[bytes, bytes], sign_for: bytes | None = N
     signature = (b"Stripe-Signature", stripe_signature(body if sign_for is None else sign_for))
     headers = [signature, *([ct] if ct else []), *extra]
     return request("/webhooks/stripe-live", headers, body)
+
+
+def github_delivery(*ids: bytes) -> bytes:
+    """A correctly signed GitHub delivery whose X-GitHub-Delivery line comes once per id."""
+    body = b'{"action":"opened","zen":"ok"}'
+    digest = hmac.new(s.GITHUB_SECRET.encode(), body, hashlib.sha256).hexdigest()
+    headers = [(b"X-Hub-Signature-256", f"sha256={digest}".encode()), JSON]
+    headers += [(b"X-GitHub-Event", b"issues")] + [(b"X-GitHub-Delivery", i) for i in ids]
+    return request("/webhooks/github", headers, body)
 
 
 def stripe_event(**fields) -> bytes:
@@ -247,6 +260,13 @@ WEBHOOK_CASES = [
         NOTHING,
     ),
     ("bare CR in a header", webhook(stripe_event(), (b"X-Note", b"a\rb")), 400, None, NOTHING),
+    (
+        "dedup-key header twice (joined with a comma)",
+        github_delivery(b"d-1", b"d-2"),
+        400,
+        "payload-invalid",
+        NOTHING,
+    ),
     ("NUL in a header", webhook(stripe_event(), (b"X-Note", b"a\x00b")), 400, None, NOTHING),
     ("folded header line", webhook(stripe_event(), (b"X-Note", b"a\r\n b")), 400, None, NOTHING),
 ]

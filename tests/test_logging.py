@@ -223,7 +223,10 @@ def test_gunicorn_writes_json_receipt_lines_to_stderr(db_url, tmp_path):
         assert 'webhook_receiver_received_total{source="stripe-live"} 1.0' in scraped
         assert 'webhook_receiver_received_total{source="api:acme"} 1.0' in scraped
     log = server.log()
-    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    # Every line is a JSON object: gunicorn's own (start, workers, stop) too.
+    records = [json.loads(line) for line in log.splitlines() if line.strip()]
+    listening = f"Listening at: {server.url} ({server.process.pid})"
+    assert listening in {r["message"] for r in records if r["logger"] == "gunicorn.error"}
     (receipt,) = [r for r in records if r.get("correlation_id") == "gunicorn-1"]
     assert receipt["outcome"] == "accepted" and receipt["dedup_key"] == "evt_gunicorn"
     assert receipt["event_id"] == response.json()["event_id"]

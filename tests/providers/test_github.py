@@ -4,7 +4,12 @@ import json
 
 import pytest
 
-from webhook_receiver.webhooks.providers import GitHubProvider, MissingKeyError, SignatureError
+from webhook_receiver.webhooks.providers import (
+    GitHubProvider,
+    MissingKeyError,
+    PayloadError,
+    SignatureError,
+)
 
 from .helpers import hex_hmac, inbound, source
 
@@ -97,3 +102,9 @@ def test_identify_missing_delivery() -> None:
     headers = {k: v for k, v in d.headers.items() if k.lower() != "x-github-delivery"}
     with pytest.raises(MissingKeyError):
         P.identify(inbound(BODY, headers), source("github", SECRET))
+
+
+def test_a_delivery_id_sent_twice_is_refused() -> None:
+    # Joined with a comma by the server, it would be a new key each time.
+    with pytest.raises(PayloadError, match="X-GitHub-Delivery header was sent more than once"):
+        P.identify(delivery(**{"X-GitHub-Delivery": f"{DELIVERY},{DELIVERY}"}), source("github"))

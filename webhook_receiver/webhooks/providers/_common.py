@@ -40,6 +40,20 @@ def optional_header(inbound: Inbound, name: str) -> str | None:
     return value or None
 
 
+def key_header(inbound: Inbound, name: str) -> str | None:
+    """Return the header that carries the dedup key, sent once; None when missing or empty.
+
+    A field sent twice reaches the app joined with a comma (RFC 9110 5.3;
+    gunicorn joins them so), and a key that changed with how often a header
+    was repeated would let a copy through as new: a second line, or a comma,
+    is refused.
+    """
+    values = inbound.headers.getlist(name)
+    if len(values) > 1 or any("," in value for value in values):
+        raise PayloadError(f"the {name} header was sent more than once")
+    return optional_header(inbound, name)
+
+
 def secrets_of(source: SourceConfig) -> tuple[str, ...]:
     """Return the source's secrets, refusing to verify against none."""
     if not source.secrets:

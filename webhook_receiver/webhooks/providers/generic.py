@@ -28,13 +28,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return kind, arg
 
 
-def _lookup(inbound: Inbound, spec: str, *, need_json: bool) -> Any:
+def _lookup(inbound: Inbound, spec: str, *, need_json: bool, key: bool = False) -> Any:
     try:
         kind, arg = parse_spec(spec)
     except ValueError as exc:
         raise PayloadError(str(exc)) from exc
     if kind == "header":
-        return c.optional_header(inbound, arg.strip())
+        read = c.key_header if key else c.optional_header
+        return read(inbound, arg.strip())
     if inbound.json is None:
         if need_json:
             raise PayloadError("body is not JSON")
@@ -64,7 +65,7 @@ class GenericProvider:
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Read the key (and the type, when configured) where the source says."""
-        key = c.dedup_key(_lookup(inbound, source.dedup_key, need_json=True))
+        key = c.dedup_key(_lookup(inbound, source.dedup_key, need_json=True, key=True))
         type_spec = source.extra.get("event_type")
         event_type = None
         if type_spec is not None:

@@ -28,7 +28,7 @@ class GitHubProvider:
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Redeliveries keep the delivery GUID; the type is ``<event>[.<action>]``."""
         payload = c.json_object(inbound)
-        key = c.dedup_key(c.optional_header(inbound, "X-GitHub-Delivery"))
+        key = c.dedup_key(c.key_header(inbound, "X-GitHub-Delivery"))
         event = c.optional_header(inbound, "X-GitHub-Event")
         action = c.str_or_none(payload.get("action"))
         if event and action:

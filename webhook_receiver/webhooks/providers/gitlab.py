@@ -23,7 +23,7 @@ class GitLabProvider:
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """GitLab keeps Idempotency-Key across retries; older versions only send the event UUID."""
         payload = c.json_object(inbound)
-        key = c.optional_header(inbound, "Idempotency-Key") or c.optional_header(
+        key = c.key_header(inbound, "Idempotency-Key") or c.key_header(
             inbound, "X-Gitlab-Event-UUID"
         )
         event = c.optional_header(inbound, "X-Gitlab-Event") or c.str_or_none(

@@ -31,7 +31,7 @@ class ShopifyProvider:
         if event_id:
             meta["shopify_event_id"] = event_id
         return Identified(
-            dedup_key=c.dedup_key(c.optional_header(inbound, "X-Shopify-Webhook-Id")),
+            dedup_key=c.dedup_key(c.key_header(inbound, "X-Shopify-Webhook-Id")),
             event_type=c.optional_header(inbound, "X-Shopify-Topic"),
             meta=meta,
         )
