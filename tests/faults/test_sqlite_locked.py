@@ -67,7 +67,11 @@ def test_sqlite_write_locked_mid_load_answers_503_and_loses_nothing(_sqlite_temp
         # every answer given while it was held (past the time to send one that
         # had committed just before) is a refusal.
         locked = [a for a in attempts if locked_from + 0.2 <= a.answered <= locked_until]
-        assert len(locked) >= CLIENTS, "too few deliveries gave up during the lock"
+        # Writers queue for their turn (database.writer_turn), each wait
+        # bounded by the busy timeout: the first gives up on SQLite's lock,
+        # the others on the turn, except one whose turn comes before its
+        # deadline and which then outlasts the lock.
+        assert len(locked) >= 2, "too few deliveries gave up during the lock"
         assert {a.status for a in locked} == {503}
         assert {a.problem for a in locked} == {"/problems/database-unavailable"}
         assert all(a.ok for a in attempts if a.sent >= recovered)
