@@ -23,6 +23,7 @@ from webhook_receiver.models import (
     Rejection,
     utcnow,
 )
+from webhook_receiver.processing import deliveries
 from webhook_receiver.retention import purge
 
 from .conftest import CLIENTS, SECRET_KEY
@@ -145,6 +146,26 @@ def test_an_event_with_an_unfinished_delivery_is_never_purged(app, runner):
         assert purge(utcnow(), 2).events == 4
         assert surviving_ids() == set() and count(Delivery) == 0
         assert not done & surviving_ids()
+
+
+def test_a_discarded_dead_letter_lets_its_event_go(app, runner):
+    with app.app_context():
+        discarded = add_event("short", 10, ("delivered", "dead"))
+        still_dead = add_event("short", 10, ("dead",))
+        dead_id = db.session.scalar(
+            select(Delivery.id).where(Delivery.event_id == discarded, Delivery.state == "dead")
+        )
+        assert [d.id for d in deliveries.discard([dead_id], utcnow())] == [dead_id]
+        db.session.commit()
+    result = runner.invoke(args=["purge"])
+    assert result.exit_code == 0, result.output
+    assert "purged 1 event(s) past retention (short: 1)" in result.output
+    assert "kept 1 event(s) past retention" in result.output
+    assert "not delivered, skipped or discarded yet" in result.output
+    with app.app_context():
+        # The dead letter nobody discarded is kept; the discarded one went with its event.
+        assert surviving_ids() == {still_dead}
+        assert set(db.session.scalars(select(Delivery.state))) == {"dead"}
 
 
 def test_duplicates_and_conflicts_cascade_with_their_event(app):

@@ -5,7 +5,9 @@
   config past ``DEFAULT_RETENTION_DAYS``. Their duplicates, conflicts and
   (final) deliveries go with them: the foreign keys cascade.
 - Never an event with a delivery that is not final (pending, in progress or
-  dead): it is kept, and counted, until its deliveries are done or skipped.
+  dead): it is kept, and counted, until its deliveries are delivered,
+  skipped or discarded. A dead letter is never lost silently: it goes only
+  once an operator has discarded it in the admin.
 - Idempotency records past ``expires_at``.
 - Rejections past their source's retention, admin login failures past
   ``DEFAULT_RETENTION_DAYS``.
@@ -33,16 +35,17 @@ from .database import end_read
 from .extensions import db
 from .idempotency import records
 from .models import AdminLoginFailure, Delivery, Event, Rejection
-from .processing.deliveries import DELIVERED, SKIPPED
+from .processing import deliveries
 
 _events = Event.__table__
 _deliveries = Delivery.__table__
 _rejections = Rejection.__table__
 _login_failures = AdminLoginFailure.__table__
 
-# Only these delivery states let an event go; pending, in_progress and dead
-# still need the event (a dead letter may be requeued).
-FINAL_STATES = (DELIVERED, SKIPPED)
+# Only these delivery states (delivered, skipped, discarded) let an event
+# go; pending, in_progress and dead still need the event (a dead letter may
+# be requeued, until an operator discards it).
+FINAL_STATES = deliveries.FINAL_STATES
 
 
 @dataclass
@@ -194,7 +197,7 @@ def purge_command(batch_size: int | None) -> None:
     if report.events_kept:
         click.echo(
             f"kept {report.events_kept} event(s) past retention: "
-            "their deliveries are not delivered or skipped yet"
+            "their deliveries are not delivered, skipped or discarded yet"
         )
     click.echo(f"purged {report.idempotency_records} expired idempotency record(s)")
     click.echo(f"purged {report.rejections} rejection(s) past retention")

@@ -12,6 +12,7 @@ from webhook_receiver.models import Delivery, EventConflict, IdempotencyRecord, 
 
 from .conftest import (
     conflict,
+    csrf_token,
     delivery,
     event,
     idempotency_record,
@@ -125,6 +126,170 @@ def test_requeue_refuses_junk_and_foreign_redirects(admin_app, admin):
     response = post(admin, "/admin/deliveries/requeue", {"next": "https://evil.example/"})
     assert response.headers["Location"] == "/admin/dead"
     assert "Nothing was selected." in text(admin.get("/admin/dead"))
+
+
+# -- discard -----------------------------------------------------------------
+
+CONFIRM = {"confirm": "yes"}
+
+
+def test_discard_moves_only_dead_deliveries(admin_app, admin):
+    event_id = event(admin_app)
+    now = utcnow()
+    dead = delivery(
+        admin_app,
+        event_id,
+        consumer="gone",
+        state="dead",
+        attempts=8,
+        last_error="consumer 'gone' is no longer configured",
+    )
+    pending = delivery(admin_app, event_id, consumer="retrying", state="pending", attempts=2)
+    working = delivery(
+        admin_app,
+        event_id,
+        consumer="working",
+        state="in_progress",
+        attempts=1,
+        lease_expires_at=now + timedelta(minutes=5),
+    )
+    done = delivery(admin_app, event_id, consumer="done", state="delivered", attempts=1)
+    response = post(
+        admin,
+        "/admin/deliveries/discard",
+        {"ids": [dead, pending, working, done, 999999], "next": "/admin/dead", **CONFIRM},
+    )
+    assert response.status_code == 302
+    assert response.headers["Location"] == "/admin/dead"
+    assert state_of(admin_app, dead) == ("discarded", 8)
+    assert state_of(admin_app, pending) == ("pending", 2)
+    assert state_of(admin_app, working) == ("in_progress", 1)
+    assert state_of(admin_app, done) == ("delivered", 1)
+    with admin_app.app_context():
+        row = db.session.get(Delivery, dead)
+        # Why it died stays readable; when it was discarded is recorded.
+        assert row.last_error == "consumer 'gone' is no longer configured"
+        assert row.completed_at is not None and row.completed_at >= now
+    page = text(admin.get("/admin/dead"))
+    assert "Discarded 1 delivery. 4 could not be discarded" in page
+    assert "No dead deliveries." in page
+
+
+def test_discard_all_on_the_page(admin_app, admin):
+    event_id = event(admin_app)
+    dead = [delivery(admin_app, event_id, consumer=f"c{i}", state="dead") for i in range(3)]
+    page = text(admin.get("/admin/dead"))
+    discard_form = page[page.index('id="discard"') :]
+    value = re.search(r'name="page_ids" value="([\d,]+)"', discard_form).group(1)
+    assert sorted(int(i) for i in value.split(",")) == dead
+    post(admin, "/admin/deliveries/discard", {"page_ids": value, **CONFIRM})
+    assert {state_of(admin_app, d)[0] for d in dead} == {"discarded"}
+    assert "Discarded 3 deliveries" in text(admin.get("/admin/dead"))
+
+
+def test_dead_letters_page_offers_discard_with_a_required_confirmation(admin_app, admin):
+    delivery(admin_app, event(admin_app), state="dead")
+    page = text(admin.get("/admin/dead"))
+    fieldset = page[page.index('id="discard"') : page.index("</fieldset>")]
+    assert re.search(r'<input type="checkbox" name="confirm" value="yes" required>', fieldset)
+    assert "I understand these deliveries will never be retried" in fieldset
+    assert fieldset.count('formaction="/admin/deliveries/discard"') == 2
+    # The requeue buttons share the form; the confirmation must not hold them up.
+    requeues = re.findall(r"<button[^>]*>Requeue[^<]*</button>", page)
+    assert len(requeues) == 2 and all("formnovalidate" in b for b in requeues)
+
+
+def test_discard_without_confirmation_changes_nothing(admin_app, admin):
+    dead = delivery(admin_app, event(admin_app), state="dead", attempts=8)
+    for unconfirmed in ({}, {"confirm": ""}, {"confirm": "no"}):
+        response = post(admin, "/admin/deliveries/discard", {"ids": dead, **unconfirmed})
+        assert response.status_code == 302
+        assert state_of(admin_app, dead) == ("dead", 8)
+        assert "Nothing was discarded" in text(admin.get("/admin/dead"))
+
+
+def test_discard_refuses_junk_and_foreign_redirects(admin_app, admin):
+    dead = delivery(admin_app, event(admin_app), state="dead")
+    bad = {"ids": [dead, "1; drop"], **CONFIRM}
+    assert post(admin, "/admin/deliveries/discard", bad).status_code == 400
+    bad_page = {"page_ids": f"{dead},x", **CONFIRM}
+    assert post(admin, "/admin/deliveries/discard", bad_page).status_code == 400
+    assert state_of(admin_app, dead)[0] == "dead"
+    response = post(
+        admin, "/admin/deliveries/discard", {"next": "https://evil.example/", **CONFIRM}
+    )
+    assert response.headers["Location"] == "/admin/dead"
+    assert "Nothing was selected." in text(admin.get("/admin/dead"))
+
+
+def test_discard_logged_out_is_sent_to_login_and_changes_nothing(admin_app, anon):
+    dead = delivery(admin_app, event(admin_app), state="dead")
+    response = anon.get("/admin/dead")
+    assert response.status_code == 302
+    assert response.headers["Location"].startswith("/admin/login?next=")
+    # A POST without a session is refused outright, as every admin action is.
+    token = csrf_token(anon)  # a valid token of this (logged-out) session
+    response = anon.post(
+        "/admin/deliveries/discard", data={"ids": dead, "csrf_token": token, **CONFIRM}
+    )
+    assert response.status_code == 403
+    assert state_of(admin_app, dead)[0] == "dead"
+
+
+def test_a_discarded_delivery_cannot_be_requeued(admin_app, admin):
+    event_id = event(admin_app)
+    discarded = delivery(admin_app, event_id, state="discarded", attempts=8)
+    post(admin, "/admin/deliveries/requeue", {"ids": discarded})
+    assert state_of(admin_app, discarded) == ("discarded", 8)
+    assert "Requeued 0 deliveries. 1 could not be requeued" in text(admin.get("/admin/dead"))
+
+
+def test_event_page_shows_the_discarded_state(admin_app, admin):
+    event_id = event(admin_app)
+    dead = delivery(admin_app, event_id, consumer="gone", state="dead", last_error="HTTP 410")
+    delivery(admin_app, event_id, consumer="fine", state="delivered")
+    post(admin, "/admin/deliveries/discard", {"ids": dead, **CONFIRM})
+    page = text(admin.get(f"/admin/events/{event_id}"))
+    row = page[page.index(f'data-delivery-id="{dead}"') :].split("</tr>")[0]
+    assert '<span class="state state-discarded">discarded</span>' in row
+    assert "HTTP 410" in row and "Requeue" not in row
+    assert listed_ids(admin.get("/admin/events?state=discarded")) == [event_id]
+    assert listed_ids(admin.get("/admin/events?state=dead")) == []
+    summary = text(admin.get("/admin/events"))
+    assert 'state-discarded">discarded</span>' in summary
+
+
+def test_discard_logs_one_line_and_counts_per_consumer(admin_app, admin, caplog):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    first, second = event(admin_app, source="stripe"), event(admin_app, source="stripe")
+    dead = [
+        delivery(admin_app, first, consumer="gone", state="dead"),
+        delivery(admin_app, second, consumer="gone", state="dead"),
+        delivery(admin_app, second, consumer="crm", state="dead"),
+    ]
+    pending = delivery(admin_app, first, consumer="crm", state="pending")
+    with caplog.at_level("INFO", logger="webhook_receiver.admin"):
+        post(admin, "/admin/deliveries/discard", {"ids": [*dead, pending], **CONFIRM})
+    lines = [r for r in caplog.records if getattr(r, "outcome", None) == "discarded"]
+    assert len(lines) == 1
+    line = lines[0]
+    assert (line.count, line.not_discarded) == (3, 1)
+    assert line.consumers == ["crm", "gone"]
+    assert line.event_ids == [first, second]
+    assert line.delivery_ids == dead
+    scraped = admin_app.test_client().get("/metrics").get_data(as_text=True)
+    counts = {
+        (sample.labels["source"], sample.labels["consumer"]): sample.value
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+        if sample.name == "webhook_receiver_deliveries_discarded_total"
+    }
+    assert counts == {("stripe", "gone"): 2, ("stripe", "crm"): 1}
+
+
+def listed_ids(response):
+    return [int(i) for i in re.findall(r'data-event-id="(\d+)"', text(response))]
 
 
 # -- conflicts ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""End to end in a real headless Chromium against gunicorn: log in, filter, open, requeue.
+"""End to end in a real headless Chromium against gunicorn: log in, filter, open, requeue, discard.
 
 Needs Debian's ``chromium`` at /usr/bin/chromium (``.ci/run`` installs it)
 and Playwright for Python. Without them the test skips locally but fails in
@@ -82,6 +82,15 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
         app,
         target,
         body=b'{"id": "evt_browser_dead", "note": "<script>alert(1)</script>", "amount": 4300}',
+    )
+    # A consumer since removed from the config: its dead letter can only be discarded.
+    gone_id = delivery(
+        app,
+        target,
+        consumer="legacy",
+        state="dead",
+        attempts=8,
+        last_error="consumer 'legacy' is no longer configured",
     )
     now = utcnow()
     delivery(app, target, consumer="audit", state="delivered", attempts=1, completed_at=now)
@@ -172,10 +181,31 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             assert page.locator("#body-diff tr.diff-replace mark").count() == 2
             page.screenshot(path=str(ARTIFACTS / f"admin-conflict-{engine}.png"), full_page=True)
 
-            # The dead-letter list is empty now; log out.
+            # The dead-letter list holds the legacy consumer's delivery only now.
             page.click("nav >> text=Dead letters")
             page.wait_for_url(f"{server.url}/admin/dead")
+            assert page.locator("#dead tbody tr").count() == 1
+            page.check(f'input[name=ids][value="{gone_id}"]')
+            # Without the confirmation the browser does not send the form (no script needed).
+            page.click("button:has-text('Discard selected')")
+            assert page.locator("input[name=confirm]:invalid").count() == 1
+            assert page.url == f"{server.url}/admin/dead"
+            assert page.locator(".flash").count() == 0
+            assert page.locator("#dead tbody tr").count() == 1
+            page.check("input[name=confirm]")
+            page.screenshot(
+                path=str(ARTIFACTS / f"admin-dead-discard-{engine}.png"), full_page=True
+            )
+            page.click("button:has-text('Discard selected')")
+            page.wait_for_selector(".flash-success")
+            assert page.locator(".flash-success").inner_text() == "Discarded 1 delivery."
             assert "No dead deliveries." in page.locator("#dead").inner_text()
+            page.goto(f"{server.url}/admin/events/{target}")
+            gone_row = page.locator(f'tr[data-delivery-id="{gone_id}"]')
+            assert gone_row.locator(".delivery-state").inner_text() == "discarded"
+            assert gone_row.locator("button").count() == 0
+
+            # Log out.
             page.click("text=Log out")
             page.wait_for_url(f"{server.url}/admin/login")
             page.goto(f"{server.url}/admin/events")
@@ -187,3 +217,4 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
     with app.app_context():
         row = db.session.get(Delivery, dead_id)
         assert (row.state, row.attempts) == ("pending", 0)
+        assert db.session.get(Delivery, gone_id).state == "discarded"

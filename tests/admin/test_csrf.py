@@ -49,6 +49,18 @@ def test_requeue_without_token_changes_nothing(strict_app, logged_in, bad_token)
         assert (row.state, row.attempts) == ("dead", 5)
 
 
+def test_discard_without_token_changes_nothing(strict_app, logged_in, bad_token):
+    delivery_id = delivery(strict_app, event(strict_app), state="dead", attempts=5)
+    response = logged_in.post(
+        "/admin/deliveries/discard", data={"ids": [delivery_id], "confirm": "yes", **bad_token}
+    )
+    assert response.status_code == 400
+    assert "nothing was changed" in response.get_data(as_text=True)
+    with strict_app.app_context():
+        row = db.session.get(Delivery, delivery_id)
+        assert (row.state, row.attempts) == ("dead", 5)
+
+
 def test_review_without_token_changes_nothing(strict_app, logged_in, bad_token):
     conflict_id = conflict(strict_app, event(strict_app))
     response = logged_in.post(

@@ -41,6 +41,8 @@ def test_counts_for_a_day_and_a_week(admin_app, admin):
     delivery(admin_app, recent[1], state="dead", updated_at=hour_ago)
     delivery(admin_app, recent[2], state="dead", updated_at=three_days_ago, consumer="x")
     delivery(admin_app, recent[2], state="pending", consumer="y")
+    delivery(admin_app, recent[0], state="discarded", consumer="z", completed_at=hour_ago)
+    delivery(admin_app, older, state="discarded", consumer="z", completed_at=three_days_ago)
     add(admin_app, AdminLoginFailure(remote_addr="192.0.2.1", at=now))
 
     page = text(admin.get("/admin/"))
@@ -52,6 +54,7 @@ def test_counts_for_a_day_and_a_week(admin_app, admin):
         "rejections": 2,
         "delivered": 1,
         "dead": 1,
+        "discarded": 1,
     }
     assert week == {
         "received": 4,
@@ -60,6 +63,7 @@ def test_counts_for_a_day_and_a_week(admin_app, admin):
         "rejections": 2,
         "delivered": 2,
         "dead": 2,
+        "discarded": 2,
     }
     assert '<span class="n">2</span> dead deliveries' in page
     assert '<span class="n">1</span> deliveries waiting' in page

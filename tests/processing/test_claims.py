@@ -1,4 +1,4 @@
-"""Claiming under a lease, fencing by token, takeover after expiry, requeue."""
+"""Claiming under a lease, fencing by token, takeover after expiry, requeue, discard."""
 
 from __future__ import annotations
 
@@ -132,3 +132,57 @@ def test_requeue_leaves_a_delivery_a_worker_has_just_claimed(make_app, clock):
         assert deliveries.mark_delivered(fresh, clock(), 200)
         db.session.commit()
     assert delivery(app, event_id, "billing")["state"] == "delivered"
+
+
+def test_a_discarded_delivery_is_never_claimed_again(make_app, clock):
+    app = _app(make_app)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        claim = deliveries.claim_next(clock(), LEASE)
+        assert deliveries.mark_dead(claim, clock(), "consumer 'billing' is gone", None)
+        db.session.commit()
+        clock.advance(60)
+        discarded = deliveries.discard([claim.id], clock())
+        db.session.commit()
+        assert [(d.id, d.event_id, d.consumer, d.source) for d in discarded] == [
+            (claim.id, event_id, "billing", "shop")
+        ]
+        # Neither a later claim nor a requeue brings it back.
+        assert deliveries.claim_next(clock() + timedelta(days=365), LEASE) is None
+        assert deliveries.requeue([claim.id], clock()) == 0
+        db.session.commit()
+        assert deliveries.claim_next(clock() + timedelta(days=365), LEASE) is None
+    row = delivery(app, event_id, "billing")
+    assert row["state"] == "discarded"
+    assert row["last_error"] == "consumer 'billing' is gone"
+    assert row["attempts"] == 1
+    assert row["completed_at"] == row["updated_at"] == clock()
+
+
+def test_discard_moves_dead_ones_only(make_app, clock):
+    """Pending, claimed and delivered deliveries are left alone, in the UPDATE itself."""
+    app = _app(make_app)
+    pending_id = store_event(app, clock, dedup_key="evt-1")
+    claimed_id = store_event(app, clock, dedup_key="evt-2")
+    delivered_id = store_event(app, clock, dedup_key="evt-3")
+    with app.app_context():
+        first = deliveries.claim_next(clock(), LEASE)
+        second = deliveries.claim_next(clock(), LEASE)
+        assert (first.event_id, second.event_id) == (pending_id, claimed_id)
+        # The first goes back to pending after a failure, the third is delivered.
+        deliveries.mark_retry(first, clock(), clock() + timedelta(minutes=1), "HTTP 503", 503)
+        third = deliveries.claim_next(clock(), LEASE)
+        deliveries.mark_delivered(third, clock(), 200)
+        db.session.commit()
+        assert deliveries.discard([first.id, second.id, third.id], clock()) == []
+        db.session.commit()
+        # The worker that holds the second one can still finish it.
+        assert deliveries.mark_delivered(second, clock(), 200)
+        db.session.commit()
+    assert [
+        delivery(app, e, "billing")["state"] for e in (pending_id, claimed_id, delivered_id)
+    ] == [
+        "pending",
+        "delivered",
+        "delivered",
+    ]

@@ -241,6 +241,24 @@ def test_requeued_dead_delivery_is_delivered_with_the_same_key(
     ]
 
 
+def test_a_discarded_dead_letter_is_never_sent_again(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    downstream.replies["/billing"] = [Reply(410)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    assert drain(app, worker) == ["dead"]
+    row = delivery(app, event_id, "billing")
+    with app.app_context():
+        assert [d.id for d in deliveries.discard([row["id"]], clock())] == [row["id"]]
+        # A requeue after the discard (a stale admin page) changes nothing.
+        assert deliveries.requeue([row["id"]], clock()) == 0
+        db.session.commit()
+    clock.advance(86400 * 30)
+    assert drain(app, worker) == []
+    assert delivery(app, event_id, "billing")["state"] == "discarded"
+    assert len(downstream.calls_to("/billing")) == 1
+
+
 def test_one_failing_consumer_does_not_hold_back_another(make_app, downstream, clock, make_worker):
     app = _app(
         make_app,

@@ -303,6 +303,6 @@ def local_input(moment: datetime | None) -> str:
 
 def delivery_summary(states: dict[str, int]) -> list[tuple[str, int]]:
     """An event's delivery states, the ones needing attention first."""
-    order = ["dead", "in_progress", "pending", "delivered", "skipped"]
+    order = ["dead", "in_progress", "pending", "delivered", "skipped", "discarded"]
     known = [(s, states[s]) for s in order if s in states]
     return known + sorted((s, n) for s, n in states.items() if s not in order)

@@ -150,6 +150,7 @@ class Counts:
     rejections: int
     delivered: int
     dead: int
+    discarded: int
 
 
 def _count(stmt: Select[*tuple[Any, ...]]) -> int:
@@ -157,7 +158,11 @@ def _count(stmt: Select[*tuple[Any, ...]]) -> int:
 
 
 def counts_since(since: datetime) -> Counts:
-    """Count events, duplicates, conflicts, rejections and finished deliveries since ``since``."""
+    """Count events, duplicates, conflicts, rejections and finished deliveries since ``since``.
+
+    Deliveries count by when they finished: delivered and discarded ones by
+    ``completed_at``, dead ones by when they died (``updated_at``).
+    """
     d = Delivery
     return Counts(
         received=_count(select(func.count()).where(Event.received_at >= since)),
@@ -171,6 +176,11 @@ def counts_since(since: datetime) -> Counts:
         ),
         dead=_count(
             select(func.count()).where(d.state == delivery_states.DEAD, d.updated_at >= since)
+        ),
+        discarded=_count(
+            select(func.count()).where(
+                d.state == delivery_states.DISCARDED, d.completed_at >= since
+            )
         ),
     )
 
@@ -235,6 +245,7 @@ EVENT_STATES = {
     "pending": "a delivery pending or in progress",
     "retrying": "a delivery failed and waiting to retry",
     "dead": "a dead delivery",
+    "discarded": "a discarded delivery",
     "delivered": "every delivery done",
     "none": "no deliveries",
     "duplicated": "duplicate deliveries received",
@@ -271,6 +282,8 @@ def _state_condition(state: str) -> ColumnElement[bool] | None:
         return Event.id.in_(_delivery_ids_where(d.state == delivery_states.PENDING, d.attempts > 0))
     if state == "dead":
         return Event.id.in_(_delivery_ids_where(d.state == delivery_states.DEAD))
+    if state == "discarded":
+        return Event.id.in_(_delivery_ids_where(d.state == delivery_states.DISCARDED))
     if state == "delivered":
         done = [delivery_states.DELIVERED, delivery_states.SKIPPED]
         return and_(

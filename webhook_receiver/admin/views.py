@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from datetime import timedelta
 from typing import Any
 
@@ -20,9 +22,12 @@ from ..config import FileConfig
 from ..database import unit_of_work
 from ..idempotency import records
 from ..models import utcnow
+from ..observability import metrics
 from ..processing import deliveries
 from . import auth, presenters, queries
 from .blueprint import bp
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
 REVIEW_NOTE_MAX = 2000
@@ -206,17 +211,26 @@ def event(event_id: int) -> str:
     )
 
 
-@bp.post("/deliveries/requeue")
-def requeue() -> ResponseReturnValue:
-    """Requeue the chosen dead, failed or stuck deliveries."""
+def _chosen_ids() -> list[int]:
+    """The delivery ids of an action's form: the ticked ones, or the whole page's."""
     raw_ids = request.form.getlist("ids")
-    # The dead-letter page's "requeue all on this page" button carries its ids.
+    # The dead-letter page's "... all on this page" buttons carry its ids.
     if request.form.get("page_ids"):
         raw_ids = request.form["page_ids"].split(",")
     try:
-        ids = sorted({int(raw) for raw in raw_ids if raw.strip()})
+        return sorted({int(raw) for raw in raw_ids if raw.strip()})
     except ValueError:
         abort(400, "Delivery ids must be numbers.")
+
+
+def _plural(count: int) -> str:
+    return f"{count} {'delivery' if count == 1 else 'deliveries'}"
+
+
+@bp.post("/deliveries/requeue")
+def requeue() -> ResponseReturnValue:
+    """Requeue the chosen dead, failed or stuck deliveries."""
+    ids = _chosen_ids()
     target = auth.safe_next(request.form.get("next")) or url_for("admin.dead")
     if not ids:
         flash("Nothing was selected.", "warning")
@@ -227,10 +241,57 @@ def requeue() -> ResponseReturnValue:
     if allowed:
         with unit_of_work():
             count = deliveries.requeue(allowed, now)
-    message = f"Requeued {count} {'delivery' if count == 1 else 'deliveries'}."
+    message = f"Requeued {_plural(count)}."
     if count < len(ids):
-        message += f" {len(ids) - count} could not be requeued (delivered, skipped or in progress)."
+        message += (
+            f" {len(ids) - count} could not be requeued"
+            " (delivered, skipped, discarded or in progress)."
+        )
     flash(message, "success" if count else "warning")
+    return redirect(target)
+
+
+@bp.post("/deliveries/discard")
+def discard() -> ResponseReturnValue:
+    """Discard the chosen dead deliveries for good, once the operator has confirmed it."""
+    ids = _chosen_ids()
+    target = auth.safe_next(request.form.get("next")) or url_for("admin.dead")
+    if not ids:
+        flash("Nothing was selected.", "warning")
+        return redirect(target)
+    # The form's checkbox is required in the browser too; this is the check
+    # that counts (no JavaScript, and a form can be posted by hand).
+    if request.form.get("confirm") != "yes":
+        flash(
+            "Nothing was discarded: tick “I understand these deliveries will never be "
+            "retried” to confirm.",
+            "warning",
+        )
+        return redirect(target)
+    with unit_of_work():
+        done = deliveries.discard(ids, utcnow())
+    for (source, consumer), n in Counter((d.source, d.consumer) for d in done).items():
+        metrics.discarded(source, consumer, n)
+    log.info(
+        "discarded %d dead deliveries (%d not discarded)",
+        len(done),
+        len(ids) - len(done),
+        extra={
+            "outcome": "discarded",
+            "count": len(done),
+            "not_discarded": len(ids) - len(done),
+            "consumers": sorted({item.consumer for item in done}),
+            "event_ids": sorted({item.event_id for item in done}),
+            "delivery_ids": [item.id for item in done],
+        },
+    )
+    message = f"Discarded {_plural(len(done))}."
+    if len(done) < len(ids):
+        message += (
+            f" {len(ids) - len(done)} could not be discarded"
+            " (not dead: requeued, in progress, delivered, skipped or already discarded)."
+        )
+    flash(message, "success" if done else "warning")
     return redirect(target)
 
 
@@ -239,7 +300,7 @@ def requeue() -> ResponseReturnValue:
 
 @bp.get("/dead")
 def dead() -> str:
-    """List dead deliveries, to requeue one or many."""
+    """List dead deliveries, to requeue or discard one or many."""
     consumer = request.args.get("consumer", "").strip()
     page = queries.list_dead(limit=_page_size(), consumer=consumer, **_cursors())
     return render_template(

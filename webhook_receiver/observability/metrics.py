@@ -73,6 +73,13 @@ class Metrics:
         self.dead_letters = counter(
             "dead_letters", "Deliveries given up on (dead letters).", ("source", "consumer")
         )
+        # By operators in the admin, not by the worker: a separate counter,
+        # so that attempts still add up to what the worker did.
+        self.discarded = counter(
+            "deliveries_discarded",
+            "Dead deliveries an operator discarded (never to be retried).",
+            ("source", "consumer"),
+        )
         self.latency = Histogram(
             f"{PREFIX}_request_duration_seconds",
             "Time to answer a request, by endpoint, method and status class.",
@@ -138,6 +145,13 @@ def dead_letter(source: str, consumer: str) -> None:
     m = _metrics()
     if m is not None:
         m.dead_letters.labels(source, consumer).inc()
+
+
+def discarded(source: str, consumer: str, count: int = 1) -> None:
+    """Count dead deliveries an operator discarded."""
+    m = _metrics()
+    if m is not None and count:
+        m.discarded.labels(source, consumer).inc(count)
 
 
 def _start_timer() -> None:

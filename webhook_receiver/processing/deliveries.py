@@ -10,6 +10,11 @@ event (the transactional outbox). States:
 - ``delivered``: done; the handler's writes or the downstream's answer are in.
 - ``dead``: a permanent failure or out of attempts; an operator may requeue it.
 - ``skipped``: older than what was already applied for its entity.
+- ``discarded``: a dead delivery an operator gave up on for good (its
+  consumer is gone, or the event must not be delivered); never retried.
+
+``delivered``, ``skipped`` and ``discarded`` are final: nothing moves a
+delivery out of them, and retention may delete their event.
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ from sqlalchemy.engine import Connection
 
 from ..database import commit_without_waiting_for_disk
 from ..extensions import db
-from ..models import Delivery
+from ..models import Delivery, Event
 
 PENDING = "pending"
 IN_PROGRESS = "in_progress"
 DELIVERED = "delivered"
 DEAD = "dead"
 SKIPPED = "skipped"
-STATES = (PENDING, IN_PROGRESS, DELIVERED, DEAD, SKIPPED)
+DISCARDED = "discarded"
+STATES = (PENDING, IN_PROGRESS, DELIVERED, DEAD, SKIPPED, DISCARDED)
+FINAL_STATES = (DELIVERED, SKIPPED, DISCARDED)
 
 _t = Delivery.__table__
 MAX_ERROR = 2000
@@ -64,6 +71,48 @@ def requeue(delivery_ids: Iterable[int], now: datetime) -> int:
         )
     )
     return _rowcount(result)
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A delivery that ``discard`` moved from dead to discarded."""
+
+    id: int
+    event_id: int
+    consumer: str
+    source: str
+
+
+def discard(delivery_ids: Iterable[int], now: datetime) -> list[Discarded]:
+    """Give up on dead deliveries for good: they become ``discarded`` and are never retried.
+
+    Only dead ones move; the test is in the UPDATE itself, so a delivery
+    requeued (or claimed, or delivered) since the operator looked is left
+    alone. ``last_error``, ``attempts`` and ``response_status`` are kept to
+    show why it died; ``completed_at`` says when it was discarded. Returns
+    the discarded ones with their event's source. The caller commits.
+    """
+    ids = list(delivery_ids)
+    if not ids:
+        return []
+    rows = db.session.execute(
+        update(_t)
+        .where(_t.c.id.in_(ids), _t.c.state == DEAD)
+        .values(state=DISCARDED, updated_at=now, completed_at=now)
+        .returning(_t.c.id, _t.c.event_id, _t.c.consumer)
+    ).all()
+    if not rows:
+        return []
+    sources: dict[int, str] = {
+        event_id: source
+        for event_id, source in db.session.execute(
+            select(Event.id, Event.source).where(Event.id.in_({row.event_id for row in rows}))
+        )
+    }
+    return sorted(
+        (Discarded(row.id, row.event_id, row.consumer, sources[row.event_id]) for row in rows),
+        key=lambda d: d.id,
+    )
 
 
 def _requeueable(now: datetime) -> ColumnElement[bool]:
