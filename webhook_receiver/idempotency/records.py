@@ -86,31 +86,15 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
 
     The key is read first, since retries are the common case and a read is
     cheaper than a failed insert; the insert's unique constraint still
-    decides between racing first requests.
+    decides between racing first requests. A fresh claim commits on its own
+    before the view runs, so that concurrent retries see it (409).
     """
-    session = db.session
     for _ in range(5):
-        row = _lookup(req)
         token = secrets.token_hex(16)
+        row, inserted = _lookup_or_claim(req, _claim_values(req, token, now, lease, ttl))
+        if inserted is not None:
+            return Claimed(inserted, token)
         if row is None:
-            with writer_turn():
-                commit_without_waiting_for_disk()
-                inserted = (
-                    session.connection()
-                    .execute(
-                        insert_ignoring_conflicts(_t, ["client", "key"])
-                        .values(
-                            client=req.client,
-                            key=req.key,
-                            **_claim_values(req, token, now, lease, ttl),
-                        )
-                        .returning(_t.c.id)
-                    )
-                    .scalar()
-                )
-                session.commit()
-            if inserted is not None:
-                return Claimed(inserted, token)
             continue  # another first request won the insert: read its record
         expired = row.expires_at <= now
         abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
@@ -157,11 +141,80 @@ def _claim_values(
     }
 
 
-def _lookup(req: Request) -> Any:
-    # A replay needs nothing but this read, so it runs outside a transaction
-    # (no BEGIN, no ROLLBACK: on PostgreSQL one round trip instead of three).
+_CLAIM_COLUMNS = (
+    "client",
+    "key",
+    "fingerprint",
+    "method",
+    "path",
+    "state",
+    "lease_token",
+    "lease_expires_at",
+    "created_at",
+    "expires_at",
+)
+
+
+def _lookup_or_claim(req: Request, claim_values: dict[str, Any]) -> tuple[Any, int | None]:
+    """Read the record under the key or, when there is none, insert this claim.
+
+    Returns (the record, None) when the key is taken, (None, the new id)
+    when this request claimed it, and (None, None) when a racing first
+    request won the insert. Outside any transaction: a taken key writes
+    nothing, a replay is one round trip, and a claim commits on its own.
+    """
+    params = {"b_client": req.client, "b_key": req.key}
+    values = {**claim_values, "client": req.client, "key": req.key}
     with autocommit_connection() as conn:
-        return conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
+        if is_sqlite():
+            # A read needs no turn at the write lock; only a fresh key writes.
+            row = conn.execute(_LOOKUP, params).one_or_none()
+            if row is not None:
+                return row, None
+            with writer_turn():
+                return None, conn.execute(_claim_statement("sqlite"), values).scalar()
+        # PostgreSQL: the read and the insert are one statement, its own
+        # transaction (one round trip for a replay and for a claim alike).
+        row = conn.execute(_claim_statement("postgresql"), {**params, **values}).one()
+    if row.claimed_id is not None:
+        return None, row.claimed_id
+    return (row if row.id is not None else None), None
+
+
+_CLAIMS: dict[str, Any] = {}
+
+
+def _claim_statement(dialect: str) -> Any:
+    """The claim's INSERT (SQLite), or the read-or-insert statement (PostgreSQL)."""
+    statement = _CLAIMS.get(dialect)
+    if statement is not None:
+        return statement
+    if dialect == "sqlite":
+        statement = (
+            insert_ignoring_conflicts(_t, ["client", "key"])
+            .values({name: bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS})
+            .returning(_t.c.id)
+        )
+    else:
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        stored = _LOOKUP.cte("stored")
+        new_row = select(
+            *[bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS]
+        ).where(~select(stored.c.id).exists())
+        claimed = (
+            pg_insert(_t)
+            .from_select(list(_CLAIM_COLUMNS), new_row)
+            .on_conflict_do_nothing(index_elements=["client", "key"])
+            .returning(_t.c.id)
+            .cte("claimed")
+        )
+        statement = select(
+            *[select(column).scalar_subquery().label(column.name) for column in stored.c],
+            select(claimed.c.id).scalar_subquery().label("claimed_id"),
+        )
+    _CLAIMS[dialect] = statement
+    return statement
 
 
 def _take_over(
