@@ -263,8 +263,10 @@ def _receive_event_alone(values: dict[str, Any]) -> tuple[Any, int | None]:
             return _Stored(*row), None
         params = insert_.params(values)
         with writer_turn():
-            row = cursor.execute(insert_.sql, params).fetchone()
-    return None, None if row is None else row[0]
+            # fetchall() runs the statement to its end, where SQLite commits
+            # it: before the turn passes on, and before any answer.
+            rows = cursor.execute(insert_.sql, params).fetchall()
+    return None, rows[0][0] if rows else None
 
 
 def _receive_in_one_statement(values: dict[str, Any]) -> tuple[Any, int | None]:
