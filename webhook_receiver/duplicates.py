@@ -214,12 +214,6 @@ def record(event_id: int, received_at: datetime) -> None:
     ledger.record(event_id, received_at)
 
 
-def flush(app: Flask) -> int:
-    """Write this app's pending redeliveries now (tests, shutdown hooks)."""
-    ledger: DuplicateLedger = app.extensions[EXTENSION]
-    return ledger.flush()
-
-
 def init_app(app: Flask) -> None:
     """Give the app a ledger on its engine."""
     with app.app_context():

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.engine import Connection
 
-from .database import autocommit_connection
+from .database import insert_ignoring_conflicts
 from .extensions import db
 from .models import Event
 from .processing import outbox
@@ -37,7 +37,7 @@ def insert_event(values: dict[str, Any], connection: Connection | None = None) -
     (the outbox).
     """
     connection = connection or db.session.connection()
-    event_id = connection.execute(insert_statement(db.engine.dialect.name), values).scalar()
+    event_id = connection.execute(insert_statement(), values).scalar()
     if event_id is not None:
         outbox.enqueue(
             event_id,
@@ -52,20 +52,14 @@ def insert_event(values: dict[str, Any], connection: Connection | None = None) -
 _INSERTS: dict[str, Any] = {}
 
 
-def insert_statement(dialect: str) -> Any:
-    """The event INSERT of ``dialect``: nothing on a taken key, else the new id."""
+def insert_statement() -> Any:
+    """The event INSERT of the app's database: nothing on a taken key, else the new id."""
     # One statement per dialect, built once and run through a connection:
     # cheaper than building it, and than the ORM's execute.
+    dialect = db.engine.dialect.name
     statement = _INSERTS.get(dialect)
     if statement is None:
-        from sqlalchemy.dialects import postgresql, sqlite
-
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        statement = (
-            insert(_t)
-            .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
-            .returning(_t.c.id)
-        )
+        statement = insert_ignoring_conflicts(_t, ["source", "dedup_key"]).returning(_t.c.id)
         _INSERTS[dialect] = statement
     return statement
 
@@ -99,14 +93,10 @@ FIND_BY_KEY = select(_t.c.id, _t.c.fingerprint).where(
 )
 
 
-def find_by_key(source: str, dedup_key: str, connection: Connection | None = None) -> Any:
+def find_by_key(source: str, dedup_key: str, connection: Connection) -> Any:
     """Read the id and fingerprint of the event stored under (source, dedup_key).
 
-    A lone read outside any transaction, on ``connection`` (one of
-    ``autocommit_connection()``) or a connection of its own.
+    A lone read, on a connection of ``autocommit_connection()``.
     """
     params = {"b_source": source, "b_key": dedup_key}
-    if connection is not None:
-        return connection.execute(FIND_BY_KEY, params).one_or_none()
-    with autocommit_connection() as own:
-        return own.execute(FIND_BY_KEY, params).one_or_none()
+    return connection.execute(FIND_BY_KEY, params).one_or_none()

@@ -39,20 +39,16 @@ def bad_token(request, strict_app) -> dict[str, str]:
     return {"csrf_token": csrf_token(strict_app.test_client())}
 
 
-def test_requeue_without_token_changes_nothing(strict_app, logged_in, bad_token):
-    delivery_id = delivery(strict_app, event(strict_app), state="dead", attempts=5)
-    response = logged_in.post("/admin/deliveries/requeue", data={"ids": [delivery_id], **bad_token})
-    assert response.status_code == 400
-    assert "nothing was changed" in response.get_data(as_text=True)
-    with strict_app.app_context():
-        row = db.session.get(Delivery, delivery_id)
-        assert (row.state, row.attempts) == ("dead", 5)
-
-
-def test_discard_without_token_changes_nothing(strict_app, logged_in, bad_token):
+@pytest.mark.parametrize(
+    "action, fields",
+    [("requeue", {}), ("discard", {"confirm": "yes"})],
+)
+def test_delivery_action_without_token_changes_nothing(
+    strict_app, logged_in, bad_token, action, fields
+):
     delivery_id = delivery(strict_app, event(strict_app), state="dead", attempts=5)
     response = logged_in.post(
-        "/admin/deliveries/discard", data={"ids": [delivery_id], "confirm": "yes", **bad_token}
+        f"/admin/deliveries/{action}", data={"ids": [delivery_id], **fields, **bad_token}
     )
     assert response.status_code == 400
     assert "nothing was changed" in response.get_data(as_text=True)

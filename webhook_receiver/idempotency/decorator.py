@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode
@@ -140,53 +139,39 @@ def _execute(
     args: Any,
     kwargs: Any,
 ) -> Any:
-    # On SQLite the view runs in the writers' turn: hold() takes the write
-    # lock for the whole view anyway, and waiting for a turn is cheaper than
-    # polling for that lock.
-    with ExitStack() as turn:
-        try:
-            turn.enter_context(writer_turn())
-        except BaseException:
-            # No turn within the busy timeout: a 503, and the key is free
-            # for the retry rather than held for the lease.
-            _release_quietly(claimed)
-            raise
-        return _execute_in_turn(req, claimed, view, args, kwargs)
-
-
-def _execute_in_turn(
-    req: records.Request,
-    claimed: records.Claimed,
-    view: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
-) -> Any:
     session = db.session
     try:
-        records.hold(claimed)
-        try:
-            rv = view(*args, **kwargs)
-        except Exception as exc:
-            # 4xx problems and HTTP errors are results worth replaying;
-            # anything else re-raises and releases the key below.
-            rv = current_app.handle_user_exception(exc)
-            # A view that raised keeps none of its writes: only the answer
-            # is saved (the lock is taken again where SQLite needs it).
-            session.rollback()
+        # On SQLite the view runs in the writers' turn: hold() takes the
+        # write lock for the whole view anyway, and waiting for a turn is
+        # cheaper than polling for that lock. No turn within the busy
+        # timeout is a 503 below, and the key is freed for the retry.
+        with writer_turn():
             records.hold(claimed)
-        response = current_app.make_response(rv)
-        if response.status_code >= 500:
-            session.rollback()
-            _release_quietly(claimed)
+            try:
+                rv = view(*args, **kwargs)
+            except Exception as exc:
+                # 4xx problems and HTTP errors are results worth replaying;
+                # anything else re-raises and releases the key below.
+                rv = current_app.handle_user_exception(exc)
+                # A view that raised keeps none of its writes: only the answer
+                # is saved (the lock is taken again where SQLite needs it).
+                session.rollback()
+                records.hold(claimed)
+            response = current_app.make_response(rv)
+            if response.status_code >= 500:
+                session.rollback()
+                _release_quietly(claimed)
+                return response
+            records.complete(
+                claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
+            )
+            session.commit()
+            _log(
+                logging.INFO, "idempotent request completed", "completed", req, response.status_code
+            )
+            if response.status_code < 300:
+                metrics.received(_source(req))
             return response
-        records.complete(
-            claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
-        )
-        session.commit()
-        _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
-        if response.status_code < 300:
-            metrics.received(_source(req))
-        return response
     except records.LeaseLost:
         session.rollback()
         _log(logging.WARNING, "idempotency lease lost", "lease_lost", req, 409)

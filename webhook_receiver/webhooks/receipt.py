@@ -252,9 +252,7 @@ def _receive_event_alone(values: dict[str, Any]) -> tuple[Any, int | None]:
     if not _SQLITE:
         dialect = db.engine.dialect
         _SQLITE["find"] = DriverStatement(events.FIND_BY_KEY, dialect)
-        _SQLITE["insert"] = DriverStatement(
-            events.insert_statement("sqlite"), dialect, _EVENT_COLUMNS
-        )
+        _SQLITE["insert"] = DriverStatement(events.insert_statement(), dialect, _EVENT_COLUMNS)
     find, insert_ = _SQLITE["find"], _SQLITE["insert"]
     with driver_cursor() as cursor:
         keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
