@@ -151,6 +151,19 @@ def test_config_file_from_the_environment_is_used(instance, tmp_path, monkeypatc
         ("[sources.shop]\n", r"\[sources.shop\] provider must be one of"),
         ('[sources.shop]\nprovider = "github"\n', r"\[sources.shop\] secrets must be"),
         ('handlers = "mymodule"\n', "handlers must be a list"),
+        (
+            '[sources.shop]\nprovider = "github"\nsecrets = ["s"]\ntolerence_seconds = 60\n',
+            r"\[sources.shop\] unknown key\(s\) for provider github: tolerence_seconds",
+        ),
+        (
+            '[sources.shop]\nprovider = "stripe"\nsecrets = ["s"]\nevent_type = "json:/t"\n',
+            r"\[sources.shop\] unknown key\(s\) for provider stripe: event_type",
+        ),
+        (
+            '[sources.shop]\nprovider = "github"\nsecrets = ["s"]\n'
+            '[[sources.shop.forward]]\nname = "f"\nurl = "http://x"\ntimout_seconds = 1\n',
+            r"\[\[sources.shop.forward\]\] f: unknown key\(s\): timout_seconds",
+        ),
     ],
     ids=[
         "short-token",
@@ -164,6 +177,9 @@ def test_config_file_from_the_environment_is_used(instance, tmp_path, monkeypatc
         "missing-provider",
         "missing-secrets",
         "handlers-not-a-list",
+        "unknown-source-key",
+        "key-of-another-provider",
+        "unknown-forward-key",
     ],
 )
 def test_invalid_config_file_is_refused_with_its_path(

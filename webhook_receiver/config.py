@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .webhooks.providers.base import SourceConfig
-from .webhooks.providers.generic import parse_spec
-
+# The providers a source may name; webhooks.providers registers one
+# implementation for each, and checks at import that the two lists agree.
 PROVIDER_NAMES = frozenset(
     {"stripe", "github", "gitlab", "standard", "shopify", "slack", "cloudevents", "generic"}
 )
@@ -115,6 +114,33 @@ def check_settings(config: dict[str, Any]) -> None:
         if number < smallest:
             raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
         config[name] = number
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One ``[sources.<name>]`` table of the config file, validated."""
+
+    name: str
+    provider: str
+    secrets: tuple[str, ...] = field(repr=False)
+    tolerance_seconds: int = 300
+    retention_days: int = 30
+    signature_header: str | None = None
+    dedup_key: str = "header:Idempotency-Key"
+    # Settings only some providers read, each listed in _PROVIDER_KEYS.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """Split a ``header:<Name>`` or ``json:<pointer>`` spec into kind and argument (ValueError)."""
+    kind, sep, arg = spec.partition(":")
+    if not sep or kind not in ("header", "json"):
+        raise ValueError(f"{spec!r} is not 'header:<Name>' or 'json:<pointer>'")
+    if kind == "header" and not arg.strip():
+        raise ValueError(f"{spec!r} names no header")
+    if kind == "json" and arg and not arg.startswith("/"):
+        raise ValueError(f"{spec!r}: a JSON pointer starts with '/'")
+    return kind, arg
 
 
 @dataclass(frozen=True)
@@ -269,6 +295,8 @@ _SOURCE_KEYS = {
     "dedup_key",
     *_PROCESSING_KEYS,
 }
+# What a provider reads beyond the common keys (into SourceConfig.extra).
+_PROVIDER_KEYS: dict[str, frozenset[str]] = {"generic": frozenset({"event_type"})}
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"}
 
@@ -373,6 +401,13 @@ def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
         for secret in secrets:
             if not _is_standard_secret(secret):
                 raise ConfigError(f"{where} secrets must be whsec_<base64> for provider standard")
+    allowed = _SOURCE_KEYS | _PROVIDER_KEYS.get(provider, frozenset())
+    unknown = set(table) - allowed
+    if unknown:
+        # A typo (tolerence_seconds) must not silently fall back to a default.
+        raise ConfigError(
+            f"{where} unknown key(s) for provider {provider}: {', '.join(sorted(unknown))}"
+        )
     extra = {k: v for k, v in table.items() if k not in _SOURCE_KEYS}
     return SourceConfig(
         name=name,

@@ -15,8 +15,6 @@ from itertools import accumulate, count, repeat
 from operator import lshift, sub
 from typing import Any
 
-from .problems import Problem
-
 
 class JSONError(ValueError):
     """The bytes are not strict JSON (bad UTF-8, syntax, NaN, or nested too deep)."""
@@ -80,14 +78,6 @@ def _too_deep(body: bytes) -> bool:
         return False
     opened = accumulate(skeleton.translate(_OPENING_IS_ONE))
     return _PASSES + max(map(sub, map(lshift, opened, repeat(1)), count(1))) > MAX_DEPTH
-
-
-def parse_json_body(body: bytes) -> Any:
-    """Parse a request's JSON body or raise the 400 problem."""
-    try:
-        return loads(body)
-    except JSONError as exc:
-        raise Problem("invalid-json", str(exc)) from exc
 
 
 def is_json_type(content_type: str | None) -> bool:

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
+from webhook_receiver.config import parse_spec
 from webhook_receiver.webhooks.providers import (
     GenericProvider,
     MissingKeyError,
     PayloadError,
     SignatureError,
 )
-from webhook_receiver.webhooks.providers.generic import parse_spec
 
 from .helpers import hex_hmac, inbound, source
 

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 from flask import Response, abort, g, jsonify, request, url_for
 
 from .. import events
-from ..fingerprint import canonical_json, fingerprint, is_json_type, parse_json_body
+from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import idempotent
 from ..problems import Problem
 from . import bp
 from .auth import require_client
+
+
+def parse_json_body(body: bytes) -> Any:
+    """Parse a request's JSON body or raise the 400 problem."""
+    try:
+        return loads(body)
+    except JSONError as exc:
+        raise Problem("invalid-json", str(exc)) from exc
 
 
 @bp.post("/events")

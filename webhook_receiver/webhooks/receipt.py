@@ -23,7 +23,7 @@ from sqlalchemy import String, bindparam, insert, literal_column, select
 from sqlalchemy import true as literal_true
 from werkzeug.datastructures import Headers
 
-from .. import correlation, duplicates, events
+from .. import correlation, duplicates, events, rejections
 from ..database import (
     DriverStatement,
     autocommit_connection,
@@ -35,7 +35,7 @@ from ..database import (
 )
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..models import Event, EventConflict, Rejection, UTCDateTime, utcnow
+from ..models import Event, EventConflict, UTCDateTime, utcnow
 from ..observability import metrics
 from ..problems import Problem
 from ..processing import deliveries, outbox
@@ -436,22 +436,7 @@ def _reject(source: SourceConfig, reason: str, detail: str, remote_addr: str | N
         },
     )
     metrics.signature_failure(source.name, reason)
-    # Counting a refusal must never turn it into a 5xx: if the database is
-    # away, the 401 still stands.
-    try:
-        db.session.execute(
-            insert(Rejection.__table__).values(
-                source=source.name,
-                reason=reason,
-                detail=detail[:500],
-                remote_addr=(remote_addr or "")[:100] or None,
-                received_at=utcnow(),
-            )
-        )
-        db.session.commit()
-    except Exception:
-        db.session.rollback()
-        log.warning("could not record a refused delivery", exc_info=True)
+    rejections.record(source.name, reason, detail, remote_addr)
 
 
 def _log(outcome: str, source: SourceConfig, key: str, event_id: int) -> None:

@@ -9,6 +9,7 @@ cloudevents signature header is whatever ``source.signature_header`` names.
 
 from __future__ import annotations
 
+from ...config import PROVIDER_NAMES
 from .base import (
     Identified,
     Inbound,
@@ -42,6 +43,12 @@ PROVIDERS: dict[str, Provider] = {
         GenericProvider(),
     )
 }
+
+
+if set(PROVIDERS) != PROVIDER_NAMES:  # the one place the two lists meet
+    raise RuntimeError(
+        f"providers {sorted(PROVIDERS)} do not match config.PROVIDER_NAMES {sorted(PROVIDER_NAMES)}"
+    )
 
 
 def get_provider(name: str) -> Provider:

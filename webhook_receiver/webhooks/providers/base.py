@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 from werkzeug.datastructures import Headers
 
+from ...config import SourceConfig
+
 
 class ProviderError(Exception):
     """Base class of what a provider raises about a delivery."""
@@ -33,20 +35,6 @@ class PayloadError(ProviderError):
 
 class MissingKeyError(PayloadError):
     """No stable dedup key can be found in the delivery (400)."""
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """One ``[sources.<name>]`` table of the config file, validated."""
-
-    name: str
-    provider: str
-    secrets: tuple[str, ...] = field(repr=False)
-    tolerance_seconds: int = 300
-    retention_days: int = 30
-    signature_header: str | None = None
-    dedup_key: str = "header:Idempotency-Key"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -12,20 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...config import parse_spec
 from . import _common as c
 from .base import Identified, Inbound, PayloadError, SourceConfig
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """Split a ``header:<Name>`` or ``json:<pointer>`` spec into kind and argument (ValueError)."""
-    kind, sep, arg = spec.partition(":")
-    if not sep or kind not in ("header", "json"):
-        raise ValueError(f"{spec!r} is not 'header:<Name>' or 'json:<pointer>'")
-    if kind == "header" and not arg.strip():
-        raise ValueError(f"{spec!r} names no header")
-    if kind == "json" and arg and not arg.startswith("/"):
-        raise ValueError(f"{spec!r}: a JSON pointer starts with '/'")
-    return kind, arg
 
 
 def _lookup(inbound: Inbound, spec: str, *, need_json: bool, key: bool = False) -> Any:
