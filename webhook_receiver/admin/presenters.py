@@ -293,7 +293,10 @@ def parse_utc(raw: str) -> datetime | None:
         raise ValueError(f"not a date and time: {raw!r}") from exc
     if moment.tzinfo is None:
         return moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError as exc:  # 0001-01-01T00:00+01:00 is before the year 1 in UTC
+        raise ValueError(f"not a date and time in range: {raw!r}") from exc
 
 
 def local_input(moment: datetime | None) -> str:

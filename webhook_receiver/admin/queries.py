@@ -44,6 +44,14 @@ from ..models import (
 from ..processing import deliveries as delivery_states
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# Row ids are signed 64-bit on PostgreSQL and SQLite alike: a larger number
+# names no row, and the drivers refuse to bind it.
+MAX_ID = 2**63 - 1
+
+
+def is_row_id(raw: str) -> bool:
+    """Tell whether a string is a row id: ASCII digits (not "²") within 64 bits."""
+    return raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) <= MAX_ID
 
 
 # -- keyset paging -----------------------------------------------------------
@@ -65,7 +73,10 @@ class Cursor:
     def decode(cls, raw: str) -> Cursor:
         """Parse what ``encode`` made; ValueError when it is not one."""
         micros, _, ident = raw.partition(".")
-        if not micros.lstrip("-").isdigit() or not ident.isdigit():
+        digits = micros.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18) or not is_row_id(
+            ident
+        ):
             raise ValueError(f"not a cursor: {raw!r}")
         try:
             at = EPOCH + timedelta(microseconds=int(micros))
@@ -325,7 +336,7 @@ def list_events(
         stmt = stmt.where(Event.received_at < filters.until)
     if filters.q:
         matches = [Event.dedup_key == filters.q]
-        if filters.q.isdigit() and int(filters.q) < 2**63:
+        if is_row_id(filters.q):
             matches.append(Event.id == int(filters.q))
         stmt = stmt.where(or_(*matches))
     condition = _state_condition(filters.state)

@@ -217,10 +217,10 @@ def _chosen_ids() -> list[int]:
     # The dead-letter page's "... all on this page" buttons carry its ids.
     if request.form.get("page_ids"):
         raw_ids = request.form["page_ids"].split(",")
-    try:
-        return sorted({int(raw) for raw in raw_ids if raw.strip()})
-    except ValueError:
+    chosen = [raw.strip() for raw in raw_ids if raw.strip()]
+    if not all(queries.is_row_id(raw) for raw in chosen):
         abort(400, "Delivery ids must be numbers.")
+    return sorted({int(raw) for raw in chosen})
 
 
 def _plural(count: int) -> str:

@@ -1,0 +1,361 @@
+"""Inputs that once answered 500 (or worse), as a table: each gets its 4xx and stores nothing.
+
+The corpus comes from an attacker's pass over every surface: numbers that
+overflow, ids past 64 bits, timestamps of thousands of digits, repeated JSON
+member names, dates that leave the calendar when moved to UTC. Each row
+names the request and the answer it must get; after every row the tables
+that hold what was received are as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import requests
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import func, select
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import (
+    Delivery,
+    Event,
+    EventConflict,
+    IdempotencyRecord,
+)
+
+from .admin.conftest import PASSWORD, csrf_token, login
+from .conftest import CLIENTS, bearer
+from .servers import gunicorn
+from .webhooks import signing as s
+
+BIG = 2**63  # one past the largest row id
+NINES = "9" * 5000
+STORED = (Event, EventConflict, Delivery)
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Flask]) -> Flask:
+    return make_app({"clients": CLIENTS, "sources": s.SOURCES}, ADMIN_PASSWORD=PASSWORD)
+
+
+def counts(app: Flask) -> dict[str, int]:
+    """Rows of every table that holds what was received."""
+    with app.app_context():
+        found = {
+            model.__tablename__: db.session.scalar(select(func.count()).select_from(model))
+            for model in STORED
+        }
+        db.session.rollback()
+        return found
+
+
+def stripe_signed(body: bytes, t: int | str) -> dict[str, str]:
+    """Headers that sign ``body`` for Stripe at ``t``, however large."""
+    message = f"{t}.".encode() + body
+    digest = hmac.new(s.STRIPE_SECRET.encode(), message, hashlib.sha256).hexdigest()
+    return {"Stripe-Signature": f"t={t},v1={digest}", "Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    method: str
+    path: str
+    status: int
+    problem: str | None = None  # the problem type's slug, on /api and /webhooks
+    body: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    form: dict[str, str] | None = None  # an admin form, posted with its CSRF token
+    signed: bool = False  # a body validly signed for Stripe, now
+
+
+def _api(body: bytes, key: str) -> dict[str, Any]:
+    return {
+        "body": body,
+        "headers": {**bearer(), "Idempotency-Key": key, "Content-Type": "application/json"},
+    }
+
+
+def _svix(timestamp: str) -> dict[str, str]:
+    return {
+        "webhook-id": "msg_1",
+        "webhook-timestamp": timestamp,
+        "webhook-signature": "v1," + "A" * 44,
+        "Content-Type": "application/json",
+    }
+
+
+def _stripe_body(body: bytes) -> dict[str, Any]:
+    return {"body": body, "signed": True}
+
+
+API_AND_WEBHOOKS = [
+    Case(
+        "api-number-overflowing-a-double",
+        "POST",
+        "/api/events",
+        400,
+        "invalid-json",
+        **_api(b'{"type":"x","data":1e400}', "k-1e400"),
+    ),
+    Case(
+        "api-negative-overflow",
+        "POST",
+        "/api/events",
+        400,
+        "invalid-json",
+        **_api(b'{"type":"x","data":[-5e400]}', "k-5e400"),
+    ),
+    Case(
+        "api-duplicate-member-names",
+        "POST",
+        "/api/events",
+        400,
+        "invalid-json",
+        **_api(b'{"type":"x","type":"y","data":1}', "k-dup"),
+    ),
+    Case(
+        "api-nested-duplicate-member-names",
+        "POST",
+        "/api/events",
+        400,
+        "invalid-json",
+        **_api(b'{"type":"x","data":{"a":1,"a":2}}', "k-dup-nested"),
+    ),
+    Case(
+        "api-event-id-past-64-bits",
+        "GET",
+        f"/api/events/{BIG}",
+        404,
+        "not-found",
+        headers=bearer(),
+    ),
+    Case(
+        "api-event-id-far-past-64-bits",
+        "GET",
+        "/api/events/" + "9" * 40,
+        404,
+        "not-found",
+        headers=bearer(),
+    ),
+    Case(
+        "stripe-timestamp-of-5000-digits",
+        "POST",
+        "/webhooks/stripe-live",
+        401,
+        "signature-invalid",
+        body=b'{"id":"evt_1"}',
+        headers={
+            "Stripe-Signature": f"t={NINES},v1={'0' * 64}",
+            "Content-Type": "application/json",
+        },
+    ),
+    Case(
+        "stripe-validly-signed-timestamp-10-to-the-400",
+        "POST",
+        "/webhooks/stripe-live",
+        401,
+        "signature-invalid",
+        body=b'{"id":"evt_1"}',
+        headers=stripe_signed(b'{"id":"evt_1"}', 10**400),
+    ),
+    Case(
+        "standard-webhooks-timestamp-of-5000-digits",
+        "POST",
+        "/webhooks/svix",
+        401,
+        "signature-invalid",
+        body=b'{"type":"x"}',
+        headers=_svix(NINES),
+    ),
+    Case(
+        "webhook-id-overflowing-a-double",
+        "POST",
+        "/webhooks/stripe-live",
+        400,
+        "payload-invalid",
+        **_stripe_body(b'{"id":1e400,"type":"x"}'),
+    ),
+    Case(
+        "webhook-another-id-overflowing-a-double",
+        "POST",
+        "/webhooks/stripe-live",
+        400,
+        "payload-invalid",
+        **_stripe_body(b'{"id":5e400,"type":"x"}'),
+    ),
+    Case(
+        "webhook-duplicate-member-names",
+        "POST",
+        "/webhooks/stripe-live",
+        400,
+        "payload-invalid",
+        **_stripe_body(b'{"id":"a","id":"b","type":"x"}'),
+    ),
+]
+
+ADMIN = [
+    Case("admin-event-id-past-64-bits", "GET", f"/admin/events/{BIG}", 404),
+    Case("admin-conflict-id-past-64-bits", "GET", f"/admin/conflicts/{BIG}", 404),
+    Case("admin-cursor-id-past-64-bits", "GET", "/admin/events?before=1.99999999999999999999", 400),
+    Case("admin-cursor-id-at-2-to-the-63", "GET", "/admin/events?after=1.9223372036854775808", 400),
+    Case("admin-dead-cursor-past-64-bits", "GET", "/admin/dead?before=1.99999999999999999999", 400),
+    Case("admin-conflicts-cursor", "GET", "/admin/conflicts?after=1.9223372036854775808", 400),
+    Case(
+        "admin-idempotency-cursor", "GET", "/admin/idempotency?before=1.99999999999999999999", 400
+    ),
+    Case("admin-rejections-cursor", "GET", "/admin/rejections?after=1.9223372036854775808", 400),
+    Case("admin-cursor-time-of-5000-digits", "GET", f"/admin/events?before={NINES}.1", 400),
+    Case("admin-search-superscript-two", "GET", "/admin/events?q=%C2%B2", 200),
+    Case("admin-search-id-past-64-bits", "GET", f"/admin/events?q={BIG}", 200),
+    Case(
+        "admin-since-before-year-one-in-utc",
+        "GET",
+        "/admin/events?since=0001-01-01T00:00%2B01:00",
+        200,
+    ),
+    Case(
+        "admin-until-after-year-9999-in-utc",
+        "GET",
+        "/admin/events?until=9999-12-31T23:59-01:00",
+        200,
+    ),
+    Case(
+        "admin-requeue-id-past-64-bits",
+        "POST",
+        "/admin/deliveries/requeue",
+        400,
+        form={"ids": "9" * 23},
+    ),
+    Case(
+        "admin-requeue-page-id-past-64-bits",
+        "POST",
+        "/admin/deliveries/requeue",
+        400,
+        form={"page_ids": f"1,{BIG}"},
+    ),
+    Case(
+        "admin-requeue-superscript-id", "POST", "/admin/deliveries/requeue", 400, form={"ids": "²"}
+    ),
+    Case(
+        "admin-discard-id-past-64-bits",
+        "POST",
+        "/admin/deliveries/discard",
+        400,
+        form={"ids": "9" * 23, "confirm": "yes"},
+    ),
+    Case("admin-evict-id-past-64-bits", "POST", f"/admin/idempotency/{BIG}/evict", 404, form={}),
+    Case(
+        "admin-review-id-past-64-bits",
+        "POST",
+        f"/admin/conflicts/{BIG}/review",
+        404,
+        form={"note": "x"},
+    ),
+]
+
+
+def _send(client: FlaskClient, case: Case) -> Any:
+    headers = case.headers
+    if case.signed:
+        headers = stripe_signed(case.body or b"", int(time.time()))
+    if case.form is not None:
+        token = csrf_token(client, "/admin/")
+        return client.post(case.path, data={**case.form, "csrf_token": token})
+    return client.open(case.path, method=case.method, data=case.body, headers=headers)
+
+
+@pytest.mark.parametrize("case", API_AND_WEBHOOKS, ids=lambda c: c.name)
+def test_api_and_webhook_attack_corpus(app: Flask, case: Case) -> None:
+    client = app.test_client()
+    before = counts(app)
+    response = _send(client, case)
+    assert response.status_code == case.status, response.get_data(as_text=True)
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == f"/problems/{case.problem}"
+    assert counts(app) == before
+
+
+@pytest.mark.parametrize("case", ADMIN, ids=lambda c: c.name)
+def test_admin_attack_corpus(app: Flask, case: Case) -> None:
+    client = app.test_client()
+    assert login(client).status_code == 302
+    before = counts(app)
+    response = _send(client, case)
+    assert response.status_code == case.status, response.get_data(as_text=True)[:2000]
+    assert counts(app) == before
+    with app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(IdempotencyRecord)) == 0
+
+
+def test_an_api_event_with_big_but_finite_numbers_is_stored_and_replayed_as_json(
+    app: Flask,
+) -> None:
+    client = app.test_client()
+    body = b'{"type":"x","data":[1e308,-1e308,123456789012345678901234567890]}'
+    headers = {**bearer(), "Idempotency-Key": "finite", "Content-Type": "application/json"}
+    first = client.post("/api/events", data=body, headers=headers)
+    again = client.post("/api/events", data=body, headers=headers)
+    assert first.status_code == again.status_code == 201
+    assert b"Infinity" not in first.data
+    assert json.loads(first.data)["data"] == [1e308, -1e308, 123456789012345678901234567890]
+    assert again.data == first.data
+
+
+# -- a malformed chunked body, through a real gunicorn -------------------------
+
+GUNICORN_CONFIG = f"""
+[sources.stripe-live]
+provider = "stripe"
+secrets = ["{s.STRIPE_SECRET}"]
+
+[clients.acme]
+token = "{CLIENTS["acme"]["token"]}"
+"""
+
+
+def raw_request(url: str, request: bytes) -> tuple[int, str, bytes]:
+    """Send bytes as they are; return the status, the Content-Type and the body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), fields.get("Content-Type", ""), body
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size_line", [b"zz", b"ffffffffffffffffffff", b"-1", b"5;\rx"])
+def test_a_malformed_chunk_size_is_a_400_on_every_path(db_url, tmp_path, size_line) -> None:
+    with gunicorn(db_url, GUNICORN_CONFIG, tmp_path, workers=1) as server:
+        for path, problem_json in [
+            ("/webhooks/stripe-live", True),
+            ("/api/events", True),
+            ("/admin/login", False),
+            ("/nowhere", False),
+        ]:
+            status, content_type, body = raw_request(
+                server.url,
+                b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + size_line
+                + b"\r\nabc\r\n0\r\n\r\n",
+            )
+            assert status == 400, (path, status, body[:300])
+            if problem_json:
+                assert content_type == "application/problem+json", (path, body[:300])
+        assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
