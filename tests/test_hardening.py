@@ -9,13 +9,16 @@ that hold what was received are as they were.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import func, select
 
+from webhook_receiver.events import REDACTED
 from webhook_receiver.extensions import db
 from webhook_receiver.models import (
     Delivery,
@@ -31,10 +35,12 @@ from webhook_receiver.models import (
     EventConflict,
     IdempotencyRecord,
 )
+from webhook_receiver.webhooks.providers import PROVIDERS, redacted_headers
 
 from .admin.conftest import PASSWORD, csrf_token, login
 from .conftest import CLIENTS, bearer
 from .servers import gunicorn
+from .test_idempotency import make_test_blueprint
 from .webhooks import signing as s
 
 BIG = 2**63  # one past the largest row id
@@ -359,3 +365,158 @@ def test_a_malformed_chunk_size_is_a_400_on_every_path(db_url, tmp_path, size_li
             if problem_json:
                 assert content_type == "application/problem+json", (path, body[:300])
         assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
+
+
+# -- secrets: compared in constant time, never stored ---------------------------
+
+SECRETISH = re.compile(r"digest|signature|secret|token|hmac|password|passwd", re.IGNORECASE)
+# Where requests are authenticated, every comparison of two values that are
+# not literals is suspect: there ``e == g`` may well be two digests.
+AUTHENTICATING = ("webhooks/providers/", "admin/auth.py", "api/auth.py", "observability/metrics.py")
+PACKAGE = Path(__file__).resolve().parent.parent / "webhook_receiver"
+
+
+def _is_literal(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Name | ast.Attribute):  # a CONSTANT or module.CONSTANT
+        return (node.id if isinstance(node, ast.Name) else node.attr).isupper()
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return all(_is_literal(e) for e in node.elts)
+    # Lengths, types and the sets of names compared at import are not secrets.
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("len", "type", "set", "frozenset")
+    )
+
+
+def _is_sql(node: ast.expr) -> bool:
+    # ``table.c.lease_token == token`` builds SQL; the database compares.
+    return any(isinstance(sub, ast.Attribute) and sub.attr == "c" for sub in ast.walk(node))
+
+
+def _names(node: ast.expr) -> list[str]:
+    return [
+        sub.id if isinstance(sub, ast.Name) else sub.attr
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Name | ast.Attribute)
+    ]
+
+
+def non_constant_time_comparisons() -> list[str]:
+    """Each ==, !=, in or not in that may compare a secret or a digest, as path:line: code."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        strict = relative.startswith(AUTHENTICATING)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, operands, operands[1:], strict=False):
+                if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
+                    continue
+                if any(_is_literal(x) or _is_sql(x) for x in (a, b)):
+                    continue
+                if strict or any(SECRETISH.search(n) for n in _names(a) + _names(b)):
+                    found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_secrets_and_digests_are_compared_in_constant_time() -> None:
+    # hmac.compare_digest (or a provider's any_match / same_token) only: an
+    # early-exit == tells an attacker, byte by byte, how much of a guess is right.
+    assert non_constant_time_comparisons() == []
+
+
+CREDENTIAL_HEADERS = {
+    "X-Api-Key": "key-123",
+    "X-Auth-Token": "tok-123",
+    "X-Client-Secret": "sec-123",
+    "X-Access-Key": "acc-123",
+    "X-Amz-Security-Token": "amz-123",
+    "Proxy-Authorization": "Basic eA==",
+    "Cookie": "session=abc",
+}
+
+
+def _delivery(source: str, n: int) -> tuple[bytes, dict[str, str]]:
+    """A valid delivery to one of the test sources, with a fresh key."""
+    key = f"redact-{source}-{n}"
+    if source == "stripe-live":
+        return s.stripe_delivery({"id": key, "type": "invoice.paid"})
+    if source == "github":
+        return s.github_delivery({"action": "opened"}, delivery=key)
+    if source == "svix":
+        return s.standard_delivery({"type": "x"}, msg_id=key)
+    if source == "shop":
+        return s.shopify_delivery({"id": 1}, webhook_id=key)
+    if source == "slack":
+        return s.slack_delivery({"type": "event_callback", "event_id": key})
+    if source == "gitlab":
+        return s.dumps({"object_kind": "push"}), {
+            "X-Gitlab-Token": s.GITLAB_SECRET,
+            "X-Gitlab-Event-UUID": key,
+            "Content-Type": "application/json",
+        }
+    if source == "ce":
+        body = s.dumps({"n": n})
+        return body, {
+            "X-Signature": s.hmac_hex(body),
+            "ce-id": key,
+            "ce-source": "/test",
+            "ce-type": "t",
+            "ce-specversion": "1.0",
+            "Content-Type": "application/json",
+        }
+    if source == "generic-json":
+        body = s.dumps({"meta": {"delivery": key}})
+        return body, {"X-Hub-Signature": s.hmac_hex(body), "Content-Type": "application/json"}
+    raise AssertionError(f"no delivery builder for source {source}")
+
+
+def test_every_providers_secret_headers_and_credentials_are_stored_redacted(app: Flask) -> None:
+    file_config = app.config["FILE_CONFIG"]
+    covered = {file_config.sources[name].provider for name in s.SOURCES}
+    assert covered == set(PROVIDERS), "a provider without a source here is not checked"
+    client = app.test_client()
+    for n, name in enumerate(s.SOURCES):
+        body, headers = _delivery(name, n)
+        response = client.post(
+            f"/webhooks/{name}", data=body, headers={**headers, **CREDENTIAL_HEADERS}
+        )
+        assert response.status_code == 200, (name, response.get_data(as_text=True))
+        with app.app_context():
+            event = db.session.get(Event, response.get_json()["event_id"])
+            stored = {k.lower(): v for k, v in event.headers}
+        secret = redacted_headers(file_config.sources[name]) | {
+            k.lower() for k in CREDENTIAL_HEADERS
+        }
+        for header in secret:
+            if header in stored:
+                assert stored[header] == REDACTED, (name, header)
+        sent = {k.lower(): v for k, v in headers.items()}
+        # Each provider's own signature (or token) header was sent and is hidden.
+        assert any(
+            h in sent and stored[h] == REDACTED for h in redacted_headers(file_config.sources[name])
+        ), name
+        for value in [*CREDENTIAL_HEADERS.values(), *(sent[h] for h in secret if h in sent)]:
+            assert value not in json.dumps(event.headers), (name, value)
+
+
+# -- the Idempotency-Key fingerprint covers the path ---------------------------
+
+
+def test_same_key_and_body_on_two_idempotent_paths_is_a_mismatch(make_app) -> None:
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    app.register_blueprint(make_test_blueprint())
+    client = app.test_client()
+    headers = {**bearer(), "Idempotency-Key": "one-key", "Content-Type": "application/json"}
+    first = client.post("/t/ok", data=b'{"a":1}', headers=headers)
+    assert first.status_code == 201
+    other = client.post("/t/who", data=b'{"a":1}', headers=headers)
+    assert other.status_code == 422, other.get_data(as_text=True)
+    assert other.get_json()["type"] == "/problems/idempotency-key-reused"
+    with app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(IdempotencyRecord)) == 1

@@ -13,12 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from ..events import ALWAYS_REDACTED, REDACTED
+from ..events import REDACTED, is_secret_header
 from ..fingerprint import JSONError, is_json_type, loads
 
-# Header names that may carry a credential even where the receipt code kept
-# them (GitLab, for one, sends its shared secret as X-Gitlab-Token).
-_SECRET_NAME = re.compile(r"token|secret|password|api[-_]?key|session", re.IGNORECASE)
 # C0 controls other than tab, newline and carriage return, and DEL: a body
 # holding them is shown as bytes.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -32,7 +29,8 @@ def redact(headers: Iterable[Sequence[str]] | None) -> list[tuple[str, str]]:
         if len(pair) != 2:
             continue
         name, value = str(pair[0]), str(pair[1])
-        if name.lower() in ALWAYS_REDACTED or _SECRET_NAME.search(name):
+        # Rows stored before the receipt redacted by name are hidden here too.
+        if is_secret_header(name):
             value = REDACTED
         shown.append((name, value))
     return shown
