@@ -15,8 +15,10 @@ import hmac
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -520,3 +522,56 @@ def test_same_key_and_body_on_two_idempotent_paths_is_a_mismatch(make_app) -> No
     assert other.get_json()["type"] == "/problems/idempotency-key-reused"
     with app.app_context():
         assert db.session.scalar(select(func.count()).select_from(IdempotencyRecord)) == 1
+
+
+# -- readiness means taking writes ---------------------------------------------
+
+
+def read_only(db_url: str) -> dict[str, Any]:
+    """App settings that open this test's database read-only."""
+    if db_url.startswith("sqlite:///"):
+        path = db_url.removeprefix("sqlite:///")
+        return {"SQLALCHEMY_DATABASE_URI": f"sqlite:///file:{path}?mode=ro&uri=true"}
+    return {
+        "SQLALCHEMY_ENGINE_OPTIONS": {
+            "connect_args": {"connect_timeout": 5, "options": "-c default_transaction_read_only=on"}
+        }
+    }
+
+
+def test_readyz_is_503_while_the_database_refuses_writes(make_app, db_url) -> None:
+    writable = make_app().test_client()
+    assert writable.get("/readyz").status_code == 200
+    client = make_app(**read_only(db_url)).test_client()
+    # Reads still work (the probe used to stop there) ...
+    assert client.get("/api/events/1", headers=bearer()).status_code == 404
+    # ... but a delivery could not be stored.
+    response = client.get("/readyz")
+    assert response.status_code == 503, response.get_data(as_text=True)
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == "/problems/database-unavailable"
+    assert client.get("/healthz").status_code == 200
+
+
+# -- the login throttle under concurrent guesses ---------------------------------
+
+
+def test_concurrent_wrong_passwords_get_at_most_the_limit_of_tries(app: Flask) -> None:
+    limit, guesses = app.config["ADMIN_LOGIN_MAX_FAILURES"], 40
+    clients = [app.test_client() for _ in range(guesses)]
+    tokens = [csrf_token(client, "/admin/login") for client in clients]
+    start = threading.Barrier(guesses)
+
+    def guess(n: int) -> int:
+        start.wait()
+        form = {"password": f"wrong-{n}", "csrf_token": tokens[n]}
+        return clients[n].post("/admin/login", data=form).status_code
+
+    with ThreadPoolExecutor(max_workers=guesses) as pool:
+        statuses = list(pool.map(guess, range(guesses)))
+    assert set(statuses) <= {200, 429}, statuses
+    # 200 is the form again with "Wrong password.": a try that reached the check.
+    assert statuses.count(200) <= limit, statuses
+    assert statuses.count(429) >= guesses - limit
+    # The right password from that address is throttled too, for the window.
+    assert login(app.test_client()).status_code == 429

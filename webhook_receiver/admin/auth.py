@@ -86,20 +86,24 @@ def _max_failures() -> int:
     return int(current_app.config.get("ADMIN_LOGIN_MAX_FAILURES", DEFAULT_MAX_FAILURES))
 
 
-def is_throttled(now: datetime) -> bool:
-    """Tell whether this address has failed too often lately to try again."""
-    return queries.recent_login_failures(remote_addr(), now - _window()) >= _max_failures()
+def attempt_is_throttled(now: datetime) -> bool:
+    """Record this login attempt as a failure, then tell whether it is one too many.
+
+    Counting first and recording after (check, then insert) let concurrent
+    guesses all pass the check before any was recorded: 40 at once got 6
+    tries against a limit of 5. Recorded first and committed, each attempt
+    is in every count that starts after it, so the last of N concurrent
+    attempts counts all N, and at most the limit ever reach the password.
+    A good password clears the address's failures, its own included.
+    """
+    with unit_of_work():
+        queries.record_login_failure(remote_addr(), now, now - _window())
+    return queries.recent_login_failures(remote_addr(), now - _window()) > _max_failures()
 
 
 def retry_after() -> int:
     """Seconds a throttled address is told to wait."""
     return int(_window().total_seconds())
-
-
-def note_failure(now: datetime) -> None:
-    """Record a failed login for this address."""
-    with unit_of_work():
-        queries.record_login_failure(remote_addr(), now, now - _window())
 
 
 def forget_failures() -> None:

@@ -88,7 +88,7 @@ def login() -> Any:
             return redirect(target or url_for("admin.overview"))
         return render_template("admin/login.html", next=target)
     now = utcnow()
-    if auth.is_throttled(now):
+    if auth.attempt_is_throttled(now):
         wait = auth.retry_after()
         body = render_template(
             "admin/login.html",
@@ -97,7 +97,6 @@ def login() -> Any:
         )
         return body, 429, {"Retry-After": str(wait)}
     if not auth.password_matches(request.form.get("password", "")):
-        auth.note_failure(now)
         return render_template("admin/login.html", next=target, error="Wrong password.")
     auth.forget_failures()
     auth.log_in()
