@@ -29,6 +29,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import func, select
 
+from webhook_receiver import rejections
 from webhook_receiver.events import REDACTED
 from webhook_receiver.extensions import db
 from webhook_receiver.models import (
@@ -36,10 +37,11 @@ from webhook_receiver.models import (
     Event,
     EventConflict,
     IdempotencyRecord,
+    Rejection,
 )
 from webhook_receiver.webhooks.providers import PROVIDERS, redacted_headers
 
-from .admin.conftest import PASSWORD, csrf_token, login
+from .admin.conftest import PASSWORD, csrf_token, delivery, event, login
 from .conftest import CLIENTS, bearer
 from .servers import gunicorn
 from .test_idempotency import make_test_blueprint
@@ -575,3 +577,97 @@ def test_concurrent_wrong_passwords_get_at_most_the_limit_of_tries(app: Flask) -
     assert statuses.count(429) >= guesses - limit
     # The right password from that address is throttled too, for the window.
     assert login(app.test_client()).status_code == 429
+
+
+# -- logging out ends the session on the server ----------------------------------
+
+
+def test_logout_revokes_a_copied_session_cookie(app: Flask) -> None:
+    event_id = event(app)
+    dead_id = delivery(app, event_id, state="dead", attempts=8)
+    browser = app.test_client()
+    assert login(browser).status_code == 302
+    cookie = browser.get_cookie("session")
+    assert cookie is not None
+    thief = app.test_client()
+    thief.set_cookie("session", cookie.value)
+    assert thief.get("/admin/").status_code == 200  # the copy works while the session is open
+    token = csrf_token(thief, "/admin/")
+
+    assert browser.post("/admin/logout", data={"csrf_token": csrf_token(browser, "/admin/")})
+    assert browser.get("/admin/").status_code == 302
+
+    # The copy, taken before the logout, opens nothing now: no page, no action.
+    page = thief.get("/admin/")
+    assert page.status_code == 302 and "/admin/login" in page.headers["Location"]
+    requeue = thief.post("/admin/deliveries/requeue", data={"ids": dead_id, "csrf_token": token})
+    assert requeue.status_code == 403
+    with app.app_context():
+        assert db.session.get(Delivery, dead_id).state == "dead"
+
+
+def test_a_new_login_after_logout_works_and_the_old_cookie_stays_dead(app: Flask) -> None:
+    client = app.test_client()
+    assert login(client).status_code == 302
+    old = client.get_cookie("session").value
+    client.post("/admin/logout", data={"csrf_token": csrf_token(client, "/admin/")})
+    assert login(client).status_code == 302
+    assert client.get("/admin/").status_code == 200
+    stale = app.test_client()
+    stale.set_cookie("session", old)
+    assert stale.get("/admin/").status_code == 302
+
+
+# -- a flood of forgeries is a count, not a row each ------------------------------
+
+
+def _forged(client: FlaskClient, n: int, addr: str = "198.51.100.7") -> int:
+    return client.post(
+        "/webhooks/stripe-live",
+        data=b'{"id":"evt_forged"}',
+        headers={"Stripe-Signature": f"t={n},v1={'0' * 64}", "Content-Type": "application/json"},
+        environ_base={"REMOTE_ADDR": addr},
+    ).status_code
+
+
+def rejection_rows(app: Flask) -> list[tuple[str, str, str, int]]:
+    with app.app_context():
+        rows = db.session.execute(
+            select(
+                Rejection.source, Rejection.reason, Rejection.remote_addr, Rejection.seen_count
+            ).order_by(Rejection.remote_addr)
+        ).all()
+        db.session.rollback()
+        return [tuple(row) for row in rows]
+
+
+def test_a_flood_of_bad_signatures_is_one_counted_row_per_address_and_minute(app: Flask) -> None:
+    client = app.test_client()
+    statuses = {_forged(client, n) for n in range(300)}
+    statuses |= {_forged(client, n, "203.0.113.1") for n in range(20)}
+    assert statuses == {401}
+    rows = rejection_rows(app)
+    # Two addresses: two rows (three if the minute turned meanwhile), 320 refusals.
+    assert 2 <= len(rows) <= 4, rows
+    assert sum(row[3] for row in rows) == 320
+    assert {row[2] for row in rows} == {"198.51.100.7", "203.0.113.1"}
+
+
+def test_batched_refusals_write_nothing_per_request_then_add_up(make_app) -> None:
+    app = make_app({"sources": s.SOURCES}, REJECTION_FLUSH_SECONDS=3600)
+    client = app.test_client()
+    for n in range(200):
+        assert _forged(client, n) == 401
+    # Counted in the process; not one write yet, so not one turn at the lock.
+    assert rejection_rows(app) == []
+    counter = rejections.counter(app)
+    assert counter.pending() == 200
+    counter.close()
+    rows = rejection_rows(app)
+    assert sum(row[3] for row in rows) == 200 and len(rows) <= 2
+    # Another process's batch (or a later one) adds to the same minute's row.
+    for n in range(5):
+        assert _forged(client, n) == 401
+    counter.flush()
+    assert sum(row[3] for row in rejection_rows(app)) == 205
+    assert len(rejection_rows(app)) <= 3  # one per minute the test spans

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from ..extensions import db
 from ..models import (
     AdminLoginFailure,
+    AdminSession,
     Delivery,
     Event,
     EventConflict,
@@ -179,7 +180,9 @@ def counts_since(since: datetime) -> Counts:
         received=_count(select(func.count()).where(Event.received_at >= since)),
         duplicates=_count(select(func.count()).where(EventDuplicate.received_at >= since)),
         conflicts=_count(select(func.count()).where(EventConflict.received_at >= since)),
-        rejections=_count(select(func.count()).where(Rejection.received_at >= since)),
+        rejections=_count(
+            select(func.sum(Rejection.seen_count)).where(Rejection.received_at >= since)
+        ),
         delivered=_count(
             select(func.count()).where(
                 d.state == delivery_states.DELIVERED, d.completed_at >= since
@@ -596,6 +599,8 @@ def list_rejections(
         Rejection.reason,
         Rejection.detail,
         Rejection.remote_addr,
+        Rejection.seen_count,
+        Rejection.last_seen_at,
     )
     if source:
         stmt = stmt.where(Rejection.source == source)
@@ -631,3 +636,35 @@ def clear_login_failures(remote_addr: str) -> None:
     db.session.execute(
         delete(AdminLoginFailure).where(AdminLoginFailure.remote_addr == remote_addr)
     )
+
+
+# -- admin sessions ----------------------------------------------------------
+
+
+def open_admin_session(token_hash: str, now: datetime, expires_at: datetime) -> None:
+    """Record an open session, pruning the expired ones; the caller commits."""
+    # The delete comes first so that on SQLite the transaction opens with a write.
+    db.session.execute(delete(AdminSession).where(AdminSession.expires_at <= now))
+    db.session.execute(
+        insert(AdminSession).values(token_hash=token_hash, created_at=now, expires_at=expires_at)
+    )
+
+
+def admin_session_is_open(token_hash: str, now: datetime) -> bool:
+    """Tell whether the session with this token is open and unexpired, and end the read."""
+    try:
+        return (
+            db.session.scalar(
+                select(AdminSession.id).where(
+                    AdminSession.token_hash == token_hash, AdminSession.expires_at > now
+                )
+            )
+            is not None
+        )
+    finally:
+        db.session.rollback()
+
+
+def close_admin_session(token_hash: str) -> None:
+    """Forget one session, so that its cookie opens nothing any more; the caller commits."""
+    db.session.execute(delete(AdminSession).where(AdminSession.token_hash == token_hash))
