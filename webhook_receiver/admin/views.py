@@ -337,11 +337,11 @@ def conflict(conflict_id: int) -> str:
     if found is None:
         abort(404, "No such conflict.")
     item, original = found
-    rows = presenters.side_by_side(
+    body = presenters.compare_bodies(
         presenters.diff_lines(original.body, original.content_type),
         presenters.diff_lines(item.body, item.content_type),
     )
-    header_rows = presenters.side_by_side(
+    headers = presenters.compare_bodies(
         [f"{n}: {v}" for n, v in presenters.redact(original.headers)],
         [f"{n}: {v}" for n, v in presenters.redact(item.headers)],
         context=1000,
@@ -350,8 +350,10 @@ def conflict(conflict_id: int) -> str:
         "admin/conflict.html",
         conflict=item,
         original=original,
-        rows=rows,
-        header_rows=header_rows,
+        body=body,
+        headers=headers,
+        max_lines=presenters.MAX_DIFF_LINES,
+        max_kb=presenters.MAX_DIFF_BYTES // 1024,
         note_max=REVIEW_NOTE_MAX,
     )
 
