@@ -13,9 +13,12 @@ import ast
 import hashlib
 import hmac
 import json
+import os
 import random
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +31,7 @@ import pytest
 import requests
 from flask import Flask
 from flask.testing import FlaskClient
-from sqlalchemy import func, select
+from sqlalchemy import create_engine, func, select
 
 from webhook_receiver import rejections
 from webhook_receiver.admin.presenters import MAX_DIFF_LINES, Segment, compare_bodies
@@ -48,6 +51,7 @@ from .conftest import CLIENTS, bearer
 from .servers import gunicorn
 from .test_idempotency import make_test_blueprint
 from .webhooks import signing as s
+from .webhooks.deliveries import delivery_for
 
 BIG = 2**63  # one past the largest row id
 NINES = "9" * 5000
@@ -451,48 +455,13 @@ CREDENTIAL_HEADERS = {
 }
 
 
-def _delivery(source: str, n: int) -> tuple[bytes, dict[str, str]]:
-    """A valid delivery to one of the test sources, with a fresh key."""
-    key = f"redact-{source}-{n}"
-    if source == "stripe-live":
-        return s.stripe_delivery({"id": key, "type": "invoice.paid"})
-    if source == "github":
-        return s.github_delivery({"action": "opened"}, delivery=key)
-    if source == "svix":
-        return s.standard_delivery({"type": "x"}, msg_id=key)
-    if source == "shop":
-        return s.shopify_delivery({"id": 1}, webhook_id=key)
-    if source == "slack":
-        return s.slack_delivery({"type": "event_callback", "event_id": key})
-    if source == "gitlab":
-        return s.dumps({"object_kind": "push"}), {
-            "X-Gitlab-Token": s.GITLAB_SECRET,
-            "X-Gitlab-Event-UUID": key,
-            "Content-Type": "application/json",
-        }
-    if source == "ce":
-        body = s.dumps({"n": n})
-        return body, {
-            "X-Signature": s.hmac_hex(body),
-            "ce-id": key,
-            "ce-source": "/test",
-            "ce-type": "t",
-            "ce-specversion": "1.0",
-            "Content-Type": "application/json",
-        }
-    if source == "generic-json":
-        body = s.dumps({"meta": {"delivery": key}})
-        return body, {"X-Hub-Signature": s.hmac_hex(body), "Content-Type": "application/json"}
-    raise AssertionError(f"no delivery builder for source {source}")
-
-
 def test_every_providers_secret_headers_and_credentials_are_stored_redacted(app: Flask) -> None:
     file_config = app.config["FILE_CONFIG"]
     covered = {file_config.sources[name].provider for name in s.SOURCES}
     assert covered == set(PROVIDERS), "a provider without a source here is not checked"
     client = app.test_client()
     for n, name in enumerate(s.SOURCES):
-        body, headers = _delivery(name, n)
+        body, headers = delivery_for(name, f"redact-{name}-{n}")
         response = client.post(
             f"/webhooks/{name}", data=body, headers={**headers, **CREDENTIAL_HEADERS}
         )
@@ -736,3 +705,52 @@ def test_long_lines_within_the_bounds_are_marked_whole() -> None:
     (row,) = diff.rows
     assert row.left == (Segment("a " * 400, True),)
     assert row.right == (Segment("b " * 400, True),)
+
+
+# -- what a process writes when it exits ---------------------------------------------
+
+EXITING_PROCESS = """
+import sys
+from webhook_receiver import create_app
+from tests.conftest import SECRET_KEY
+from tests.webhooks import signing as s
+
+app = create_app({
+    "TESTING": True,
+    "SECRET_KEY": SECRET_KEY,
+    "SQLALCHEMY_DATABASE_URI": sys.argv[1],
+    "DUPLICATE_FLUSH_SECONDS": 3600,
+    "REJECTION_FLUSH_SECONDS": 3600,
+    "RECEIVER_CONFIG": {"sources": s.SOURCES},
+})
+client = app.test_client()
+body, headers = s.stripe_delivery({"id": "evt_exit", "type": "invoice.paid"})
+for _ in range(3):
+    assert client.post("/webhooks/stripe-live", data=body, headers=headers).status_code == 200
+forged = {"Stripe-Signature": "t=1,v1=" + "0" * 64, "Content-Type": "application/json"}
+for _ in range(4):
+    assert client.post("/webhooks/stripe-live", data=b"{}", headers=forged).status_code == 401
+# An hour's interval: nothing written yet, and the process now simply ends.
+"""
+
+
+def test_a_process_exiting_writes_its_pending_redeliveries_and_refusals(db_url) -> None:
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING_PROCESS, db_url],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            counts = conn.execute(select(Event.duplicate_count)).scalars().all()
+            refused = conn.scalar(select(func.sum(Rejection.seen_count)))
+    finally:
+        engine.dispose()
+    assert counts == [2]  # the two redeliveries, written by the exit hook
+    assert refused == 4
