@@ -94,6 +94,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
 
     processing.init_app(app)
     inbox.init_app(app, processing.routes(app))
+
+    from .processing.cli import worker_command
+
+    app.cli.add_command(worker_command)
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
     return app
