@@ -1,10 +1,16 @@
 """The idempotency record as a small state machine, and its data access.
 
-States: ``in_progress`` (claimed under a lease by one request) and
-``completed`` (the response is saved). A record past ``expires_at`` counts
-as absent; an ``in_progress`` record past its lease was left by a crashed
-holder and may be taken over. Every transition is one conditional statement,
-so the database decides every race.
+States: ``in_progress`` (claimed by one request) and ``completed`` (the
+response is saved). A record past ``expires_at`` counts as absent; an
+``in_progress`` record past its lease was left by a crashed holder and may
+be taken over. Every transition is one conditional statement, so the
+database decides every race.
+
+Two ways to hold a key (docs/idempotency.md): a two-phase claim commits on
+its own under a lease (``claim``), for views whose effects reach other
+services; a claim in the view's own transaction (``claim_in_transaction``)
+is never seen uncommitted, needs no lease, and commits with the view's
+writes and the saved response, or rolls back with them.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import and_, bindparam, delete, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
+from sqlalchemy.exc import OperationalError
 
 from ..database import (
     autocommit_connection,
@@ -81,6 +88,14 @@ class LeaseLost(Exception):
     """The lease expired and another request took the key over."""
 
 
+class KeyLocked(Exception):
+    """Another transaction holds the key uncommitted for longer than the lock timeout."""
+
+
+# PostgreSQL's lock_not_available: the lock timeout ran out.
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
 def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outcome:
     """Claim the key for this request, or say why not.
 
@@ -96,21 +111,121 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
             return Claimed(inserted, token)
         if row is None:
             continue  # another first request won the insert: read its record
-        expired = row.expires_at <= now
-        abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
-        if expired or abandoned:
-            if _take_over(row.id, req, token, now, lease, ttl):
-                return Claimed(row.id, token)
-            continue  # somebody else took it over or finished: read again
-        if row.state == IN_PROGRESS:
-            # Whatever its body: the holder may still fail and release the
-            # key, so "in flight, retry later" is the honest answer.
-            remaining = (row.lease_expires_at - now).total_seconds()
-            return InFlight(max(1, math.ceil(remaining)))
-        if row.fingerprint != req.fingerprint:
-            return Mismatch()
-        return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
+        answer = _answer(row, req, now)
+        if answer is not None:
+            return answer
+        if _take_over(row.id, req, token, now, lease, ttl):
+            return Claimed(row.id, token)
+        # Somebody else took it over or finished: read again.
     raise RuntimeError("idempotency claim did not settle")  # pragma: no cover
+
+
+def _answer(row: Any, req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
+    """What a stored record answers this request; None when it is expired or abandoned."""
+    expired = row.expires_at <= now
+    abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
+    if expired or abandoned:
+        return None
+    if row.state == IN_PROGRESS:
+        # Whatever its body: the holder may still fail and release the
+        # key, so "in flight, retry later" is the honest answer.
+        remaining = (row.lease_expires_at - now).total_seconds()
+        return InFlight(max(1, math.ceil(remaining)))
+    if row.fingerprint != req.fingerprint:
+        return Mismatch()
+    return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
+
+
+def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
+    """Read the key's record outside any transaction: its answer, or None if the key is free.
+
+    A lone read (no BEGIN, no ROLLBACK), so a replay is one round trip. An
+    uncommitted claim is not seen: its holder decides, see
+    ``claim_in_transaction``.
+    """
+    with autocommit_connection() as conn:
+        row = conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
+    return None if row is None else _answer(row, req, now)
+
+
+def claim_in_transaction(
+    req: Request, now: datetime, ttl: timedelta, lock_timeout: float
+) -> Claimed | None:
+    """Claim the key as a statement of the session's transaction; None if it is taken.
+
+    One upsert: it inserts the claim, or takes over a record that is
+    expired or abandoned, and returns nothing when the record under the key
+    answers for itself (read it again with ``find``). A claim of another
+    transaction not yet committed is waited for: if it commits, the key is
+    taken; if it rolls back, this claim goes in. On PostgreSQL the wait is
+    bounded by ``lock_timeout`` seconds, then KeyLocked; on SQLite the
+    writers' turn and the write lock serialise whole transactions, bounded
+    by the busy timeout. The claim has no lease: nobody sees it before it
+    commits, and it commits completed (its lease is over the moment it is
+    taken, so if it were ever seen in progress, it could be taken over).
+    """
+    token = secrets.token_hex(16)
+    values = {
+        **_claim_values(req, token, now, timedelta(0), ttl),
+        "client": req.client,
+        "key": req.key,
+        "b_now": now,
+    }
+    connection = db.session.connection()
+    if is_sqlite():
+        claimed_id = connection.execute(_claim_in_transaction_statement("sqlite"), values).scalar()
+    else:
+        values["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+        try:
+            statement = _claim_in_transaction_statement("postgresql")
+            claimed_id = connection.execute(statement, values).scalar()
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+                raise KeyLocked() from exc
+            raise
+    return None if claimed_id is None else Claimed(claimed_id, token)
+
+
+_CLAIMS_IN_TRANSACTION: dict[str, Any] = {}
+
+
+def _claim_in_transaction_statement(dialect: str) -> Any:
+    """The upsert of ``claim_in_transaction`` for this dialect, built once."""
+    statement = _CLAIMS_IN_TRANSACTION.get(dialect)
+    if statement is not None:
+        return statement
+    params = {name: bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS}
+    now = bindparam("b_now", type_=_t.c.expires_at.type)
+    takeable = or_(
+        _t.c.expires_at <= now, and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now)
+    )
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        insert: Any = sqlite_insert(_t).values(params)
+    else:
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        # The lock timeout is set by the claim itself (for the rest of the
+        # transaction), before its row meets an uncommitted one: a SET LOCAL
+        # of its own would cost a round trip per new key.
+        lock_timeout = func.set_config("lock_timeout", bindparam("b_lock_timeout"), True)
+        row = select(*params.values()).where(lock_timeout.is_not(None))
+        insert = pg_insert(_t).from_select(list(_CLAIM_COLUMNS), row)
+    taken_over = {name: insert.excluded[name] for name in _CLAIM_COLUMNS[2:]}
+    statement = insert.on_conflict_do_update(
+        index_elements=["client", "key"],
+        set_={
+            **taken_over,
+            "completed_at": None,
+            "response_status": None,
+            "response_headers": None,
+            "response_body": None,
+        },
+        where=takeable,
+    ).returning(_t.c.id)
+    _CLAIMS_IN_TRANSACTION[dialect] = statement
+    return statement
 
 
 _LOOKUP = select(
@@ -276,20 +391,34 @@ def complete(
 ) -> None:
     """Save the response in the current transaction; raise LeaseLost if the lease was lost."""
     result = db.session.connection().execute(
-        update(_t)
-        .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
-        .values(
-            state=COMPLETED,
-            lease_token=None,
-            lease_expires_at=None,
-            completed_at=now,
-            response_status=status,
-            response_headers=headers,
-            response_body=body,
-        )
+        _COMPLETE,
+        {
+            "b_id": claimed.record_id,
+            "b_token": claimed.token,
+            "b_now": now,
+            "b_status": status,
+            "b_headers": headers,
+            "b_body": body,
+        },
     )
     if result.rowcount != 1:
         raise LeaseLost()
+
+
+# Built once: building it per request cost more CPU than running it.
+_COMPLETE = (
+    update(_t)
+    .where(_t.c.id == bindparam("b_id"), _t.c.lease_token == bindparam("b_token"))
+    .values(
+        state=COMPLETED,
+        lease_token=None,
+        lease_expires_at=None,
+        completed_at=bindparam("b_now", type_=_t.c.completed_at.type),
+        response_status=bindparam("b_status", type_=_t.c.response_status.type),
+        response_headers=bindparam("b_headers", type_=_t.c.response_headers.type),
+        response_body=bindparam("b_body", type_=_t.c.response_body.type),
+    )
+)
 
 
 def release(claimed: Claimed) -> None:
