@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
 
-from ..database import writer_turn
+from ..database import is_sqlite, writer_turn
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..observability import metrics
@@ -164,14 +164,17 @@ def _run_in_one_transaction(
     """Claim, run the view and save its answer in one transaction; None if the key was taken."""
     session = db.session
     try:
-        # On SQLite the whole transaction is one writers' turn, and its
-        # first statement (the claim) takes the write lock: the view's reads
-        # and writes then run under it.
+        # SQLite: the whole transaction is one writers' turn, and the claim
+        # opens it with a write, so the view's reads and writes run under the
+        # write lock. PostgreSQL: the claim and the saved answer are one
+        # statement after the view, one round trip fewer.
         with writer_turn():
-            claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
-            if claimed is None:
-                session.rollback()
-                return None
+            claimed = None
+            if is_sqlite():
+                claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
+                if claimed is None:
+                    session.rollback()
+                    return None
             raised = False
             try:
                 rv = view(*args, **kwargs)
@@ -187,16 +190,16 @@ def _run_in_one_transaction(
                 session.rollback()
                 return response
             if raised:
-                # A view that raised keeps none of its writes: only the
-                # answer is saved, under a claim made again.
+                # A view that raised keeps none of its writes: only its
+                # answer is saved, with the claim made again.
                 session.rollback()
-                claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
-                if claimed is None:
-                    session.rollback()
-                    return None
-            records.complete(
-                claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
-            )
+                claimed = None
+            saved = (response.status_code, _saved_headers(response), response.get_data())
+            if claimed is not None:
+                records.complete(claimed, *saved, _now())
+            elif not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
+                session.rollback()
+                return None
             session.commit()
     except records.KeyLocked:
         session.rollback()

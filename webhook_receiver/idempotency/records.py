@@ -151,50 +151,83 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
 def claim_in_transaction(
     req: Request, now: datetime, ttl: timedelta, lock_timeout: float
 ) -> Claimed | None:
-    """Claim the key as a statement of the session's transaction; None if it is taken.
+    """Claim the key in the session's transaction, before the view runs; None if it is taken.
 
-    One upsert: it inserts the claim, or takes over a record that is
-    expired or abandoned, and returns nothing when the record under the key
-    answers for itself (read it again with ``find``). A claim of another
-    transaction not yet committed is waited for: if it commits, the key is
-    taken; if it rolls back, this claim goes in. On PostgreSQL the wait is
-    bounded by ``lock_timeout`` seconds, then KeyLocked; on SQLite the
-    writers' turn and the write lock serialise whole transactions, bounded
-    by the busy timeout. The claim has no lease: nobody sees it before it
-    commits, and it commits completed (its lease is over the moment it is
-    taken, so if it were ever seen in progress, it could be taken over).
+    For SQLite, where the claim opens the transaction with a write, so that
+    the view's reads and writes run under the write lock. The claim has no
+    lease: nobody sees it before it commits, and it commits completed
+    (``complete``). Its lease is over the moment it is taken, so if it were
+    ever seen in progress, it could be taken over. See ``_upsert`` for the
+    races.
     """
     token = secrets.token_hex(16)
-    values = {
-        **_claim_values(req, token, now, timedelta(0), ttl),
-        "client": req.client,
-        "key": req.key,
-        "b_now": now,
-    }
-    connection = db.session.connection()
-    if is_sqlite():
-        claimed_id = connection.execute(_claim_in_transaction_statement("sqlite"), values).scalar()
-    else:
-        values["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
-        try:
-            statement = _claim_in_transaction_statement("postgresql")
-            claimed_id = connection.execute(statement, values).scalar()
-        except OperationalError as exc:
-            if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-                raise KeyLocked() from exc
-            raise
+    values = _claim_values(req, token, now, timedelta(0), ttl)
+    values.update(completed_at=None, response_status=None, response_headers=None)
+    values["response_body"] = None
+    claimed_id = _upsert(req, values, now, lock_timeout)
     return None if claimed_id is None else Claimed(claimed_id, token)
 
 
-_CLAIMS_IN_TRANSACTION: dict[str, Any] = {}
+def save_in_transaction(
+    req: Request,
+    response: tuple[int, list[list[str]], bytes],
+    now: datetime,
+    ttl: timedelta,
+    lock_timeout: float,
+) -> bool:
+    """Claim the key and save its response in one statement, after the view ran.
+
+    The claim and the completion at once (one round trip fewer than
+    ``claim_in_transaction`` and ``complete``), in the session's
+    transaction, which commits the view's writes with it. False if the key
+    is taken: roll back, and answer from its record (``find``).
+    """
+    status, headers, body = response
+    values = _claim_values(req, None, now, timedelta(0), ttl)
+    values.update(state=COMPLETED, lease_expires_at=None, completed_at=now)
+    values.update(response_status=status, response_headers=headers, response_body=body)
+    return _upsert(req, values, now, lock_timeout) is not None
 
 
-def _claim_in_transaction_statement(dialect: str) -> Any:
-    """The upsert of ``claim_in_transaction`` for this dialect, built once."""
-    statement = _CLAIMS_IN_TRANSACTION.get(dialect)
+def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: float) -> int | None:
+    """Insert the record, or take over an expired or abandoned one; its id, or None if taken.
+
+    A record under the key that answers for itself is left alone. A record
+    of another transaction not yet committed is waited for: if it commits,
+    the key is taken; if it rolls back, this one goes in. On PostgreSQL the
+    wait is bounded by ``lock_timeout`` seconds, then KeyLocked; on SQLite
+    the writers' turn and the write lock serialise whole transactions,
+    bounded by the busy timeout (a 503, as for any write).
+    """
+    params = {**values, "client": req.client, "key": req.key, "b_now": now}
+    connection = db.session.connection()
+    if is_sqlite():
+        return cast(int | None, connection.execute(_upsert_statement("sqlite"), params).scalar())
+    params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+    try:
+        return cast(
+            int | None, connection.execute(_upsert_statement("postgresql"), params).scalar()
+        )
+    except OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            raise KeyLocked() from exc
+        raise
+
+
+_UPSERT_COLUMNS = (
+    *("client", "key", "fingerprint", "method", "path", "state", "lease_token"),
+    *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
+    *("response_headers", "response_body"),
+)
+_UPSERTS: dict[str, Any] = {}
+
+
+def _upsert_statement(dialect: str) -> Any:
+    """The upsert of ``_upsert`` for this dialect, built once."""
+    statement = _UPSERTS.get(dialect)
     if statement is not None:
         return statement
-    params = {name: bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS}
+    params = {name: bindparam(name, type_=_t.c[name].type) for name in _UPSERT_COLUMNS}
     now = bindparam("b_now", type_=_t.c.expires_at.type)
     takeable = or_(
         _t.c.expires_at <= now, and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now)
@@ -206,25 +239,18 @@ def _claim_in_transaction_statement(dialect: str) -> Any:
     else:
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-        # The lock timeout is set by the claim itself (for the rest of the
-        # transaction), before its row meets an uncommitted one: a SET LOCAL
-        # of its own would cost a round trip per new key.
+        # The statement sets the lock timeout itself (for the rest of the
+        # transaction) before its row can meet an uncommitted one: a
+        # SET LOCAL of its own would cost a round trip per new key.
         lock_timeout = func.set_config("lock_timeout", bindparam("b_lock_timeout"), True)
         row = select(*params.values()).where(lock_timeout.is_not(None))
-        insert = pg_insert(_t).from_select(list(_CLAIM_COLUMNS), row)
-    taken_over = {name: insert.excluded[name] for name in _CLAIM_COLUMNS[2:]}
+        insert = pg_insert(_t).from_select(list(_UPSERT_COLUMNS), row)
     statement = insert.on_conflict_do_update(
         index_elements=["client", "key"],
-        set_={
-            **taken_over,
-            "completed_at": None,
-            "response_status": None,
-            "response_headers": None,
-            "response_body": None,
-        },
+        set_={name: insert.excluded[name] for name in _UPSERT_COLUMNS[2:]},
         where=takeable,
     ).returning(_t.c.id)
-    _CLAIMS_IN_TRANSACTION[dialect] = statement
+    _UPSERTS[dialect] = statement
     return statement
 
 
@@ -241,7 +267,7 @@ _LOOKUP = select(
 
 
 def _claim_values(
-    req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
+    req: Request, token: str | None, now: datetime, lease: timedelta, ttl: timedelta
 ) -> dict[str, Any]:
     # The columns of a fresh claim, whether inserted or taken over.
     return {
