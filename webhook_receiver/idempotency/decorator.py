@@ -229,7 +229,7 @@ def _two_phase(req: records.Request, view: Callable[..., Any], args: Any, kwargs
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
     outcome = records.claim(req, _now(), lease, ttl)
     if isinstance(outcome, records.Claimed):
-        return _execute(req, outcome, view, args, kwargs)
+        return run_claimed(req, outcome, view, args, kwargs)
     return _answer(req, outcome)
 
 
@@ -252,13 +252,18 @@ def _log(level: int, message: str, outcome: str, req: records.Request, status: i
     )
 
 
-def _execute(
+def run_claimed(
     req: records.Request,
     claimed: records.Claimed,
     view: Callable[..., Any],
     args: Any,
     kwargs: Any,
 ) -> Any:
+    """Run the view under a two-phase claim and save its answer, fenced by the lease token.
+
+    A holder whose lease was taken over answers 409 ``idempotency-lease-lost``
+    and keeps none of its writes; the new holder's record is left as it is.
+    """
     session = db.session
     try:
         # On SQLite the view runs in the writers' turn: hold() takes the
