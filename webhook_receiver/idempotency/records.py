@@ -8,9 +8,10 @@ database decides every race.
 
 Two ways to hold a key (docs/idempotency.md): a two-phase claim commits on
 its own under a lease (``claim``), for views whose effects reach other
-services; a claim in the view's own transaction (``claim_in_transaction``)
-is never seen uncommitted, needs no lease, and commits with the view's
-writes and the saved response, or rolls back with them.
+services; a claim in the view's own transaction (``claim_in_transaction``,
+or ``save_in_transaction`` with the response at once) is never seen
+uncommitted, needs no lease, and commits with the view's writes and the
+saved response, or rolls back with them.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import OperationalError
 
 from ..database import (
+    DriverStatement,
     autocommit_connection,
     commit_without_waiting_for_disk,
+    driver_cursor,
     insert_ignoring_conflicts,
     is_sqlite,
     writer_turn,
@@ -97,7 +100,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 
 
 def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outcome:
-    """Claim the key for this request, or say why not.
+    """Claim the key for a two-phase view, under a lease, or say why not.
 
     The key is read first, since retries are the common case and a read is
     cheaper than a failed insert; the insert's unique constraint still
@@ -143,9 +146,51 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
     uncommitted claim is not seen: its holder decides, see
     ``claim_in_transaction``.
     """
-    with autocommit_connection() as conn:
-        row = conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
-    return None if row is None else _answer(row, req, now)
+    statement, processors = _find_statement()
+    with driver_cursor() as cursor:
+        params = statement.params({"b_client": req.client, "b_key": req.key})
+        row = cursor.execute(statement.sql, params).fetchone()
+    if row is None:
+        return None
+    stored = _Stored(
+        *[value if p is None else p(value) for p, value in zip(processors, row, strict=True)]
+    )
+    return _answer(stored, req, now)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A record as ``find`` reads it (the columns of ``_LOOKUP``)."""
+
+    id: int
+    state: str
+    fingerprint: str
+    lease_expires_at: datetime | None
+    expires_at: datetime
+    response_status: int | None
+    response_headers: list[list[str]] | None
+    response_body: bytes | None
+
+
+_FINDS: dict[str, tuple[DriverStatement, list[Any]]] = {}
+
+
+def _find_statement() -> tuple[DriverStatement, list[Any]]:
+    """``_LOOKUP`` on the driver, and each column's conversion, built on first use.
+
+    A replay is this read and nothing else: through SQLAlchemy's execution
+    (a Connection, its result) the read cost about as much CPU as the rest
+    of the replay. The columns' own types still convert each value.
+    """
+    dialect = db.engine.dialect
+    found = _FINDS.get(dialect.name)
+    if found is None:
+        processors = [
+            column.type.dialect_impl(dialect).result_processor(dialect, None)
+            for column in _LOOKUP.selected_columns
+        ]
+        found = _FINDS[dialect.name] = (DriverStatement(_LOOKUP, dialect), processors)
+    return found
 
 
 def claim_in_transaction(
