@@ -77,6 +77,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     correlation.init_app(app)
     observability.init_app(app)
 
+    from . import openapi, problem_pages
+
+    problem_pages.init_app(app)
+    openapi.init_app(app)
+
     from .admin import bp as admin_bp
     from .api import bp as api_bp
     from .health import bp as health_bp
