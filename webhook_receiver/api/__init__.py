@@ -6,4 +6,4 @@ from flask import Blueprint
 
 bp = Blueprint("api", __name__, url_prefix="/api")
 
-from . import views  # noqa: E402,F401  (registers the routes on bp)
+from . import replays, views  # noqa: E402,F401  (registers the routes on bp)
