@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from .checkout import bare_env, fresh_checkout, run
+from .databases import throwaway_postgresql
 from .servers import free_port, wait_until
 
 SETUP = "make instance/config.toml instance/secret_key && .venv/bin/flask --app wsgi db upgrade"
@@ -68,6 +69,21 @@ def test_purge_before_the_migrations_is_one_line_naming_the_fix(tmp_path):
     root = fresh_checkout(tmp_path)
     line = _one_line_error(run(root, ".venv/bin/flask --app wsgi purge"))
     assert "flask --app wsgi db upgrade" in line
+
+
+def test_purge_on_an_empty_postgresql_database_says_to_migrate(checkout):
+    with throwaway_postgresql("wr_cli") as (url, _admin, _name):
+        result = run(checkout, ".venv/bin/flask --app wsgi purge", bare_env(DATABASE_URL=url))
+    line = _one_line_error(result)
+    assert "no schema yet" in line
+    assert "flask --app wsgi db upgrade" in line
+
+
+def test_a_database_that_does_not_exist_is_not_taken_for_a_missing_schema(checkout):
+    with throwaway_postgresql("wr_cli") as (url, _admin, name):
+        missing = url.replace(name, name + "_missing")
+        result = run(checkout, ".venv/bin/flask --app wsgi purge", bare_env(DATABASE_URL=missing))
+    assert "cannot be reached" in _one_line_error(result)
 
 
 def test_purge_with_the_database_down_is_one_line(checkout):

@@ -16,8 +16,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, Program
 
 from .config import ConfigError
 
-# SQLite and PostgreSQL say "no such table" and "does not exist" (UndefinedTable).
-_NO_SCHEMA = ("no such table", "undefinedtable", "does not exist")
+# SQLite says "no such table"; PostgreSQL raises UndefinedTable ('relation "x" does
+# not exist'), not to be confused with a database that does not exist.
+_NO_SCHEMA = ("no such table", "undefinedtable", 'relation "')
 
 
 def explain(exc: BaseException) -> str | None:
