@@ -8,11 +8,19 @@ PIDFILE := instance/run.pid
 
 .PHONY: run stop test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e . --group dev
+
+# What the app needs to run: all make run installs, so a first run is quick.
+$(VENV)/.runtime: pyproject.toml | $(PY)
+	if [ $(VENV)/.installed -nt pyproject.toml ]; then :; else $(PY) -m pip install -q -e .; fi
 	touch $@
+
+# With the test and development tools too (make test, lint, bench).
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e . --group dev
+	touch $(VENV)/.runtime $@
 
 instance/config.toml:
 	mkdir -p instance
@@ -21,7 +29,7 @@ instance/config.toml:
 # Every entry point (gunicorn, each flask command) reads the key from here.
 instance/secret_key:
 	mkdir -p instance
-	umask 077 && $(PY) -c 'import secrets; print(secrets.token_hex(32))' > $@
+	umask 077 && $(PYTHON) -c 'import secrets; print(secrets.token_hex(32))' > $@
 
 # The processes `make run` supervises, one command each: add a line to add one.
 RUN_PROCESSES = \
@@ -32,7 +40,7 @@ RUN_PROCESSES = \
 # One SIGTERM or Ctrl-C (to make, or to the pid it prints) stops every process;
 # so does `make stop` from another shell. Both share one metrics directory,
 # so /metrics shows the worker's counts.
-run: $(VENV)/.installed instance/config.toml instance/secret_key
+run: $(VENV)/.runtime instance/config.toml instance/secret_key
 	$(VENV)/bin/flask --app wsgi db upgrade
 	mkdir -p instance/metrics
 	PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics \
