@@ -13,9 +13,9 @@ import logging
 
 from flask import Response, request
 
-from .. import duplicates
+from ..inbox import duplicates
 from ..models import utcnow
-from . import bp
+from .views import bp
 
 log = logging.getLogger(__name__)
 
