@@ -14,6 +14,7 @@ from flask import (
     redirect,
     render_template,
     request,
+    send_from_directory,
     url_for,
 )
 from flask.typing import ResponseReturnValue
@@ -206,6 +207,7 @@ def event(event_id: int) -> str:
         headers=presenters.redact(ev.headers),
         body=presenters.show_body(ev.body, ev.content_type),
         meta=presenters.pretty_json(ev.meta) if ev.meta else "",
+        idempotency_key=presenters.idempotency_key(ev.source, ev.meta),
         requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
         duplicates_shown=queries.DUPLICATES_SHOWN,
     )
@@ -424,3 +426,15 @@ def rejections() -> str:
         source=source,
         sources=_sources(),
     )
+
+
+# -- favicon -----------------------------------------------------------------
+
+
+def favicon() -> ResponseReturnValue:
+    """Serve the admin's icon where browsers look for one by default."""
+    return send_from_directory(bp.static_folder or "", "favicon.svg", mimetype="image/svg+xml")
+
+
+# At the root, not under /admin: a browser asks for /favicon.ico on its own.
+bp.record_once(lambda state: state.app.add_url_rule("/favicon.ico", "favicon", favicon))
