@@ -18,24 +18,24 @@ from __future__ import annotations
 
 import math
 import secrets
+import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, update
-from sqlalchemy.engine import CursorResult
+from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import OperationalError
 
 from ..database import (
-    DriverStatement,
     autocommit_connection,
     commit_without_waiting_for_disk,
-    driver_cursor,
     insert_ignoring_conflicts,
     is_sqlite,
     writer_turn,
 )
 from ..extensions import db
+from ..inbox.driver import DriverStatement, driver_cursor
 from ..models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -147,7 +147,7 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
     ``claim_in_transaction``.
     """
     statement, processors = _find_statement()
-    with driver_cursor() as cursor:
+    with driver_cursor(db.engine) as cursor:
         params = statement.params({"b_client": req.client, "b_key": req.key})
         row = cursor.execute(statement.sql, params).fetchone()
     if row is None:
@@ -172,7 +172,10 @@ class _Stored:
     response_body: bytes | None
 
 
-_FINDS: dict[str, tuple[DriverStatement, list[Any]]] = {}
+# Per engine: each engine its own dialect (the tests run apps on both databases).
+_FINDS: weakref.WeakKeyDictionary[Engine, tuple[DriverStatement, list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _find_statement() -> tuple[DriverStatement, list[Any]]:
@@ -182,14 +185,15 @@ def _find_statement() -> tuple[DriverStatement, list[Any]]:
     (a Connection, its result) the read cost about as much CPU as the rest
     of the replay. The columns' own types still convert each value.
     """
-    dialect = db.engine.dialect
-    found = _FINDS.get(dialect.name)
+    engine = db.engine
+    dialect = engine.dialect
+    found = _FINDS.get(engine)
     if found is None:
         processors = [
             column.type.dialect_impl(dialect).result_processor(dialect, None)
             for column in _LOOKUP.selected_columns
         ]
-        found = _FINDS[dialect.name] = (DriverStatement(_LOOKUP, dialect), processors)
+        found = _FINDS[engine] = (DriverStatement(_LOOKUP, dialect), processors)
     return found
 
 
