@@ -404,7 +404,9 @@ def idempotency() -> str:
 @bp.post("/idempotency/<int:record_id>/evict")
 def evict(record_id: int) -> ResponseReturnValue:
     """Delete one Idempotency-Key record, so that the key may be used afresh."""
-    if records.evict(record_id):
+    with unit_of_work():
+        evicted = records.evict(record_id)
+    if evicted:
         flash("Evicted the key: its next request runs afresh.", "success")
     else:
         flash("That key was already gone.", "warning")

@@ -321,7 +321,8 @@ def _release_quietly(claimed: records.Claimed) -> None:
     # If the database is what failed, the release fails too; the lease then
     # expires on its own and the next retry takes the key over.
     try:
-        records.release(claimed)
+        with unit_of_work():
+            records.release(claimed)
     except Exception:
         db.session.rollback()
         log.warning("could not release idempotency claim %s", claimed.record_id, exc_info=True)

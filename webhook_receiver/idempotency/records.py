@@ -32,6 +32,7 @@ from ..database import (
     commit_without_waiting_for_disk,
     insert_ignoring_conflicts,
     is_sqlite,
+    unit_of_work,
     writer_turn,
 )
 from ..extensions import db
@@ -410,10 +411,10 @@ def _claim_statement(dialect: str) -> Any:
 def _take_over(
     record_id: int, req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
 ) -> bool:
-    with writer_turn():
+    # The takeover is the claim's own unit of work, committed before the view runs.
+    with unit_of_work():
         commit_without_waiting_for_disk()
         result = _conditional_take_over(record_id, req, token, now, lease, ttl)
-        db.session.commit()
     return result.rowcount == 1
 
 
@@ -497,31 +498,24 @@ _COMPLETE = (
 
 
 def release(claimed: Claimed) -> None:
-    """Give the key back after a failure, so that a retry runs again."""
+    """Give the key back after a failure, so that a retry runs again; the caller commits."""
     db.session.connection().execute(
         delete(_t).where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
     )
-    db.session.commit()
 
 
-def purge_expired(now: datetime, batch_size: int) -> int:
-    """Delete expired records in batches of ``batch_size``; return how many."""
-    total = 0
-    while True:
-        ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
-        # Session.execute is typed for any statement; a DELETE gives a CursorResult.
-        result = cast(
-            CursorResult[Any],
-            db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
-        )
-        db.session.commit()
-        total += result.rowcount
-        if result.rowcount < batch_size:
-            return total
+def purge_expired_batch(now: datetime, batch_size: int) -> int:
+    """Delete up to ``batch_size`` expired records; return how many. The caller commits."""
+    ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
+    # Session.execute is typed for any statement; a DELETE gives a CursorResult.
+    result = cast(
+        CursorResult[Any],
+        db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
+    )
+    return result.rowcount
 
 
 def evict(record_id: int) -> bool:
-    """Delete one record (an operator's action); return whether it existed."""
+    """Delete one record (an operator's action); return whether it existed. The caller commits."""
     result = cast(CursorResult[Any], db.session.execute(delete(_t).where(_t.c.id == record_id)))
-    db.session.commit()
     return result.rowcount == 1
