@@ -154,7 +154,18 @@ def test_rfc3339_timestamps(stamp: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "stamp", ["", "-5", "1e9", "2023-11-14", "2023-13-14T22:13:20Z", "2023-11-14T22:13:20+24:00"]
+    "stamp",
+    [
+        "",
+        "-5",
+        "1e9",
+        "9" * 5000,
+        "2023-11-14",
+        "2023-13-14T22:13:20Z",
+        "0000-01-01T00:00:00Z",
+        "2023-11-14T22:13:20+24:00",
+        "２０２３-11-14T22:13:20Z",
+    ],
 )
 def test_malformed_timestamps_are_refused(stamp: str) -> None:
     with pytest.raises(SignatureError) as info:
@@ -279,3 +290,17 @@ def test_scheme_options_are_not_for_other_providers() -> None:
     raw = {"sources": {"s": {"provider": "stripe", "secrets": ["whsec_x"], "algorithm": "sha1"}}}
     with pytest.raises(ConfigError, match="unknown key"):
         parse(raw)
+
+
+def test_header_values_are_signed_as_the_bytes_sent() -> None:
+    # A server hands header bytes over decoded as Latin-1 (PEP 3333).
+    sent_id = "msg-\u00e9"
+    message = sent_id.encode("latin-1") + BODY.encode()
+    d = sent(mac(message).hex(), **{"X-Webhook-Id": sent_id})
+    P.verify(d, src(signed_content="{id}{body}", id_header="X-Webhook-Id"))
+
+
+def test_a_header_no_server_could_send_is_refused_not_an_error() -> None:
+    d = sent(mac(BODY.encode()).hex(), **{"X-Webhook-Id": "msg-\u20ac"})
+    with pytest.raises(SignatureError, match="malformed X-Webhook-Id header"):
+        P.verify(d, src(signed_content="{id}{body}", id_header="X-Webhook-Id"))

@@ -232,3 +232,23 @@ def test_documented_example_stale_or_future_is_401(app, name, offset) -> None:
     assert response.status_code == 401
     assert response.get_json()["type"] == "/problems/timestamp-out-of-tolerance"
     assert count(app, Event) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "header", "value"),
+    [
+        ("partner", "X-Timestamp", "9" * 5000),
+        ("paddle", "Paddle-Signature", "ts=" + "9" * 5000 + ";h1=" + "0" * 64),
+        ("twitch", "Twitch-Eventsub-Message-Timestamp", "9999-99-99T99:99:99Z"),
+        ("zoom", "x-zm-request-timestamp", "-1"),
+    ],
+)
+def test_absurd_timestamps_are_401_and_change_nothing(app, name, header, value) -> None:
+    sign, key, _, _ = EXAMPLES[name]
+    body, headers = sign(key, int(time.time()))
+    response = app.test_client().post(
+        f"/webhooks/{name}", data=body, headers={**headers, header: value}
+    )
+    assert response.status_code == 401
+    assert response.mimetype == "application/problem+json"
+    assert count(app, Event) == 0

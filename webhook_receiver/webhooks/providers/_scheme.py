@@ -31,8 +31,11 @@ from .base import Inbound, SignatureError, SourceConfig
 # The original generic scheme's optional label before a hex digest (``sha256=<hex>``).
 _ANY_PREFIX = re.compile(r"^[A-Za-z0-9_.-]+=")
 _RFC3339 = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})"
+    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?([Zz]|[+-]\d{2}:\d{2})",
+    re.ASCII,
 )
+# Unix seconds have 10 digits until 2286; far longer is not a time at all.
+_MAX_UNIX_DIGITS = 15
 
 
 def secret_bytes(secret: str) -> bytes:
@@ -45,6 +48,8 @@ def secret_bytes(secret: str) -> bytes:
 def signed_at(value: str, name: str) -> int:
     """Parse a signed timestamp: unix seconds, or an RFC 3339 date-time (SignatureError)."""
     if value.isascii() and value.isdigit():
+        if len(value) > _MAX_UNIX_DIGITS:
+            raise SignatureError(f"malformed {name} header")
         return c.timestamp(value, name)
     match = _RFC3339.fullmatch(value)
     if match is None:
@@ -65,6 +70,14 @@ def signed_at(value: str, name: str) -> int:
             raise SignatureError(f"malformed {name} header")
         return int(when.timestamp()) - sign * (hours * 3600 + minutes * 60)
     return int(when.timestamp())
+
+
+def _raw(value: str, name: str) -> bytes:
+    """The bytes a header value was sent as (the server decoded them as Latin-1, PEP 3333)."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError as exc:
+        raise SignatureError(f"malformed {name} header") from exc
 
 
 def _digest(value: str, source: SourceConfig) -> bytes | None:
@@ -92,9 +105,10 @@ def signed_message(inbound: Inbound, source: SourceConfig) -> tuple[bytes, int |
             name = source.extra["timestamp_header"]
             stamp = c.header(inbound, name)
             when = signed_at(stamp, name)
-            message += stamp.encode()
+            message += _raw(stamp, name)
         else:
-            message += c.header(inbound, source.extra["id_header"]).encode()
+            name = source.extra["id_header"]
+            message += _raw(c.header(inbound, name), name)
     return bytes(message), when
 
 

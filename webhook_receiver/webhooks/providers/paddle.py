@@ -34,7 +34,8 @@ class PaddleProvider:
                 if digest is not None:
                     signatures.append(digest)
             # Schemes Paddle may add later are ignored: h1 is what is checked.
-        if len(stamps) != 1:
+        # Unix seconds have 10 digits until 2286: a far longer ts is not a time.
+        if len(stamps) != 1 or len(stamps[0]) > 15:
             raise SignatureError("malformed Paddle-Signature header")
         signed_at = c.timestamp(stamps[0], "Paddle-Signature")
         if not signatures:
