@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from webhook_receiver.webhooks.providers import (
     GitHubProvider,
@@ -169,3 +171,24 @@ def test_json_delivery_is_not_decoded() -> None:
 def test_unreadable_forms_are_payload_errors(form: str, message: str) -> None:
     with pytest.raises(PayloadError, match=message):
         P.decode(form_delivery(form), source("github", SECRET))
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.dictionaries(st.text(max_size=8), _JSON, max_size=6), indent=st.booleans())
+def test_a_form_delivery_reads_as_the_json_delivery_of_the_same_content(payload, indent) -> None:
+    from urllib.parse import urlencode
+
+    from webhook_receiver.fingerprint import canonical_json
+
+    text = json.dumps(payload, indent=2 if indent else None, ensure_ascii=indent)
+    decoded = P.decode(form_delivery(urlencode({"payload": text})), source("github", SECRET))
+    assert canonical_json(decoded.json) == canonical_json(json.loads(text))

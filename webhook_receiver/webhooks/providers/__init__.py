@@ -96,6 +96,10 @@ def redacted_headers(source: SourceConfig) -> frozenset[str]:
     names = get_provider(source.provider).secret_headers
     if source.signature_header:
         names = names | {source.signature_header.lower()}
+    # A signed timestamp changes on every attempt, as Slack's and Stripe's do.
+    stamp = source.extra.get("timestamp_header")
+    if isinstance(stamp, str):
+        names = names | {stamp.lower()}
     return names
 
 
