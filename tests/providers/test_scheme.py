@@ -247,19 +247,29 @@ def test_every_option_is_accepted_together() -> None:
 
 
 def test_timestamp_placeholder_without_its_header_is_refused_at_start_up(tmp_path) -> None:
-    from webhook_receiver.config import load_file
+    import subprocess
+
+    from ..servers import BIN, ROOT, app_env
 
     path = tmp_path / "receiver.toml"
     path.write_text(
         '[sources.partner]\nprovider = "generic"\nsecrets = ["s"]\n'
         'signature_header = "X-Signature"\nsigned_content = "{timestamp}.{body}"\n'
     )
-    with pytest.raises(ConfigError) as info:
-        load_file(path, required=True)
-    message = str(info.value)
-    assert str(path) in message
-    assert "[sources.partner]" in message
-    assert "timestamp_header" in message
+    result = subprocess.run(
+        [str(BIN / "flask"), "--app", "wsgi", "routes"],
+        cwd=ROOT,
+        env=app_env(f"sqlite:///{tmp_path / 'app.sqlite3'}", path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "ConfigError" in last_line
+    assert f"{path}: [sources.partner] signed_content uses {{timestamp}}" in last_line
+    assert "timestamp_header is not set" in last_line
+    assert "/webhooks/<source_name>" not in result.stdout  # it never started
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ Paddle's SDK in tests/providers/test_paddle.py, Linear's was accepted by
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import re
@@ -148,6 +149,8 @@ def zoom(key: str, t: int) -> Delivery:
     }
 
 
+KEY = SECRETS["partner"].encode()
+
 EXAMPLES: dict[str, tuple[Callable[[str, int], Delivery], str, str, str | None]] = {
     # name: (signer, dedup key, stored type, the header carrying a signed timestamp)
     "partner": (partner, "evt_1", "partner.thing", "X-Timestamp"),
@@ -254,3 +257,23 @@ def test_absurd_timestamps_are_401_and_change_nothing(app, name, header, value) 
     assert response.status_code == 401
     assert response.mimetype == "application/problem+json"
     assert count(app, Event) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "signature"),
+    [
+        ("sha1 instead of sha256", lambda m: hmac.new(KEY, m, "sha1").hexdigest()),
+        ("sha512 instead of sha256", lambda m: hmac.new(KEY, m, "sha512").hexdigest()),
+        ("base64 instead of hex", lambda m: base64.b64encode(hmac.new(KEY, m, "sha256").digest())),
+    ],
+)
+def test_partner_signed_by_another_algorithm_or_encoding_is_401(app, change, signature) -> None:
+    t = int(time.time())
+    body, headers = partner("evt_1", t)
+    value = signature(f"{t}.".encode() + body)
+    headers["X-Signature"] = "sha256=" + (value.decode() if isinstance(value, bytes) else value)
+    response = app.test_client().post("/webhooks/partner", data=body, headers=headers)
+    assert response.status_code == 401
+    assert response.get_json()["type"] == "/problems/signature-invalid"
+    assert count(app, Event) == 0
+    assert count(app, Rejection) == 1
