@@ -158,6 +158,7 @@ def make_app(db_url: str, tmp_path: Any) -> Iterator[Callable[..., Flask]]:
             # reads it at once; tests of the batches (and every gunicorn
             # test) run the default.
             "DUPLICATE_FLUSH_SECONDS": 0,
+            "REJECTION_FLUSH_SECONDS": 0,
             "RECEIVER_CONFIG": receiver_config
             if receiver_config is not None
             else {"clients": CLIENTS},

@@ -67,6 +67,9 @@ DEFAULTS: dict[str, Any] = {
     # Redeliveries' counts and times are written in batches this often (see
     # duplicates.py); 0 writes each in its own request.
     "DUPLICATE_FLUSH_SECONDS": 1.0,
+    # Refused deliveries are counted per source, reason, address and minute,
+    # and written this often (see rejections.py); 0 writes each at once.
+    "REJECTION_FLUSH_SECONDS": 1.0,
     "SQLALCHEMY_ENGINE_OPTIONS": {},
     # The delivery worker (webhook_receiver.processing). A lease must outlast
     # the slowest forward: connect and read timeouts both count.
@@ -101,6 +104,7 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "ADMIN_LOGIN_WINDOW_SECONDS": (int, 1),
     "ADMIN_PAGE_SIZE": (int, 1),
     "DUPLICATE_FLUSH_SECONDS": (float, 0),
+    "REJECTION_FLUSH_SECONDS": (float, 0),
     "WORKER_LEASE_SECONDS": (float, 0.1),
     "WORKER_POLL_SECONDS": (float, 0.001),
     "WORKER_MAX_ATTEMPTS": (int, 1),

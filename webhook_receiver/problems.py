@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 from flask import Flask, Response, request
+from gunicorn.http.errors import ParseException
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
 # slug -> (status, title)
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
@@ -109,8 +110,14 @@ def _refuse_streamed_body_over_the_limit() -> None:
     limit = request.max_content_length
     if limit is None or request.content_length is not None:
         return
-    if len(request.get_data(cache=True)) >= limit and request.environ["wsgi.input"].read(1):
-        raise RequestEntityTooLarge()
+    try:
+        if len(request.get_data(cache=True)) >= limit and request.environ["wsgi.input"].read(1):
+            raise RequestEntityTooLarge()
+    except (ParseException, OSError) as exc:
+        # The server cannot read the chunks (a size line that is not hex, or
+        # too large, a missing CRLF, the client gone): the request is
+        # malformed, whatever path it was sent to.
+        raise BadRequest("the chunked request body is malformed") from exc
 
 
 def init_app(app: Flask) -> None:

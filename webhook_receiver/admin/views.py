@@ -89,7 +89,7 @@ def login() -> Any:
             return redirect(target or url_for("admin.overview"))
         return render_template("admin/login.html", next=target)
     now = utcnow()
-    if auth.is_throttled(now):
+    if auth.attempt_is_throttled(now):
         wait = auth.retry_after()
         body = render_template(
             "admin/login.html",
@@ -98,7 +98,6 @@ def login() -> Any:
         )
         return body, 429, {"Retry-After": str(wait)}
     if not auth.password_matches(request.form.get("password", "")):
-        auth.note_failure(now)
         return render_template("admin/login.html", next=target, error="Wrong password.")
     auth.forget_failures()
     auth.log_in()
@@ -219,10 +218,10 @@ def _chosen_ids() -> list[int]:
     # The dead-letter page's "... all on this page" buttons carry its ids.
     if request.form.get("page_ids"):
         raw_ids = request.form["page_ids"].split(",")
-    try:
-        return sorted({int(raw) for raw in raw_ids if raw.strip()})
-    except ValueError:
+    chosen = [raw.strip() for raw in raw_ids if raw.strip()]
+    if not all(queries.is_row_id(raw) for raw in chosen):
         abort(400, "Delivery ids must be numbers.")
+    return sorted({int(raw) for raw in chosen})
 
 
 def _plural(count: int) -> str:
@@ -340,11 +339,11 @@ def conflict(conflict_id: int) -> str:
     if found is None:
         abort(404, "No such conflict.")
     item, original = found
-    rows = presenters.side_by_side(
+    body = presenters.compare_bodies(
         presenters.diff_lines(original.body, original.content_type),
         presenters.diff_lines(item.body, item.content_type),
     )
-    header_rows = presenters.side_by_side(
+    headers = presenters.compare_bodies(
         [f"{n}: {v}" for n, v in presenters.redact(original.headers)],
         [f"{n}: {v}" for n, v in presenters.redact(item.headers)],
         context=1000,
@@ -353,8 +352,10 @@ def conflict(conflict_id: int) -> str:
         "admin/conflict.html",
         conflict=item,
         original=original,
-        rows=rows,
-        header_rows=header_rows,
+        body=body,
+        headers=headers,
+        max_lines=presenters.MAX_DIFF_LINES,
+        max_kb=presenters.MAX_DIFF_BYTES // 1024,
         note_max=REVIEW_NOTE_MAX,
     )
 

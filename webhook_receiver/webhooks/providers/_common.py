@@ -6,11 +6,11 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import re
 from collections.abc import Iterable
 from typing import Any
 
+from ...fingerprint import JSONError, loads
 from .base import (
     Inbound,
     MissingKeyError,
@@ -95,10 +95,16 @@ def from_b64(value: str) -> bytes | None:
         return None
 
 
+# Unix seconds have 10 digits until the year 2286; 12 leave room and keep
+# every value inside what int(), datetime and the clock arithmetic can take
+# (5000 digits would exceed int()'s limit, 10**400 a float's range).
+MAX_TIMESTAMP_DIGITS = 12
+
+
 def timestamp(value: str, name: str) -> int:
     """Parse a unix-seconds header, raising SignatureError when malformed."""
     # Digits only: int() would also take signs, spaces and underscores.
-    if not value.isascii() or not value.isdigit():
+    if not value.isascii() or not value.isdigit() or len(value) > MAX_TIMESTAMP_DIGITS:
         raise SignatureError(f"malformed {name} header")
     return int(value)
 
@@ -133,9 +139,9 @@ def str_or_none(value: Any) -> str | None:
 def parse_json(body: bytes) -> Any:
     """Parse a body the receipt code did not parse, raising PayloadError."""
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PayloadError("body is not valid JSON") from exc
+        return loads(body)
+    except JSONError as exc:
+        raise PayloadError(f"body is not valid JSON: {exc}") from exc
 
 
 _MISSING = object()
