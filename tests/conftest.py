@@ -18,8 +18,9 @@ from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from sqlalchemy import create_engine, text
 
-from webhook_receiver import create_app, duplicates
+from webhook_receiver import create_app
 from webhook_receiver.extensions import db as _db
+from webhook_receiver.inbox import duplicates
 
 from .databases import PG_URL, throwaway_postgresql
 
@@ -41,6 +42,35 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and "postgresql" in report.nodeid:
         _skipped_pg.append(report.nodeid)
+
+
+NO_POSTGRESQL = "skipped without PostgreSQL"
+
+
+def _skipped_for_want_of_postgresql(report: pytest.TestReport) -> bool:
+    return (
+        report.skipped
+        and isinstance(report.longrepr, tuple)
+        and "TEST_DATABASE_URL is not set" in str(report.longrepr[2])
+    )
+
+
+def pytest_report_teststatus(
+    report: pytest.TestReport, config: pytest.Config
+) -> tuple[str, str, str] | None:
+    # Their own category: -ra lists the other skips one by one, these are one count.
+    if _skipped_for_want_of_postgresql(report):
+        return NO_POSTGRESQL, "s", "SKIPPED"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    skipped = len(terminalreporter.stats.get(NO_POSTGRESQL, []))
+    if skipped:
+        terminalreporter.write_line(
+            f"{skipped} PostgreSQL test(s) skipped: TEST_DATABASE_URL is not set "
+            "(for example postgresql://postgres@127.0.0.1:5432/test)"
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -2,7 +2,7 @@
 
 Every refusal the receiver makes has its own ``type`` here, so clients can
 tell the cases apart without parsing ``detail``. Each type is also served as
-a short description at ``/problems/<slug>``.
+a description at ``/problems/<slug>`` (problem_pages.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import Blueprint, Flask, Response, abort, request
+from flask import Flask, Response, request
 from gunicorn.http.errors import ParseException
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -152,21 +152,6 @@ def init_app(app: Flask) -> None:
             return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
         app.logger.exception("database error")
         return problem_response(Problem("internal-error"))
-
-    problems = Blueprint("problems", __name__)
-
-    @problems.get("/problems/<slug>")
-    def describe(slug: str) -> Response:
-        """Describe one problem type."""
-        if slug not in PROBLEM_TYPES:
-            abort(404)
-        status, title = PROBLEM_TYPES[slug]
-        return Response(
-            json.dumps({"type": f"/problems/{slug}", "title": title, "status": status}),
-            mimetype="application/json",
-        )
-
-    app.register_blueprint(problems)
 
 
 def _is_unavailable(exc: DBAPIError) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -284,7 +285,10 @@ def hourly_chart(
     left, top, bottom = 44, 12, 28
     baseline = height - bottom
     plot_height = baseline - top
-    peak = max([1, *(received.get(h, 0) for h in hours), *(duplicates.get(h, 0) for h in hours)])
+    highest = max([1, *(received.get(h, 0) for h in hours), *(duplicates.get(h, 0) for h in hours)])
+    # The axis runs to a round number above the highest bar, in round steps.
+    step = nice_step(highest)
+    peak = step * math.ceil(highest / step)
     slot = (width - left - 8) / max(1, len(hours))
     bar = max(1.0, slot * 0.38)
     chart = Chart(width, height, top, baseline, left, peak)
@@ -303,10 +307,20 @@ def hourly_chart(
                 hour.strftime("%H:00") if i % 3 == 0 else "",
             )
         )
-    for fraction in (0, 0.5, 1):
-        value = round(peak * fraction)
+    for value in range(0, peak + 1, step):
         chart.ticks.append((round(baseline - plot_height * value / peak, 1), value))
     return chart
+
+
+def nice_step(highest: int, most: int = 5) -> int:
+    """The smallest step of 1, 2 or 5 times a power of ten with at most ``most`` intervals."""
+    magnitude = 1
+    while True:
+        for factor in (1, 2, 5):
+            step = factor * magnitude
+            if math.ceil(highest / step) <= most:
+                return step
+        magnitude *= 10
 
 
 # -- formatting --------------------------------------------------------------
@@ -320,7 +334,7 @@ def utc(moment: datetime | None) -> str:
 
 
 def parse_utc(raw: str) -> datetime | None:
-    """Read a ``datetime-local`` field's value (``YYYY-MM-DDTHH:MM[:SS]``) as UTC."""
+    """Read a time field's value (``YYYY-MM-DD[ HH:MM[:SS]]``, or with a ``T``) as UTC."""
     raw = raw.strip()
     if not raw:
         return None
@@ -337,8 +351,16 @@ def parse_utc(raw: str) -> datetime | None:
 
 
 def local_input(moment: datetime | None) -> str:
-    """Format a datetime for a ``datetime-local`` field, in UTC."""
-    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")
+    """Format a datetime for a time field, as ISO 8601 in UTC (``YYYY-MM-DD HH:MM``)."""
+    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def idempotency_key(source: str, meta: object) -> str | None:
+    """The Idempotency-Key an API client sent with its event, or None for a webhook event."""
+    if not source.startswith("api:") or not isinstance(meta, dict):
+        return None
+    key = meta.get("idempotency_key")
+    return key if isinstance(key, str) else None
 
 
 def delivery_summary(states: dict[str, int]) -> list[tuple[str, int]]:

@@ -313,6 +313,14 @@ def _state_condition(state: str) -> ColumnElement[bool] | None:
     return None
 
 
+def idempotency_key() -> Any:
+    """The Idempotency-Key an API client sent with an event (NULL for webhook events).
+
+    JSON_EXTRACT on SQLite, ``->>`` on PostgreSQL's JSONB.
+    """
+    return Event.meta["idempotency_key"].as_string()
+
+
 def list_events(
     filters: EventFilters,
     *,
@@ -328,6 +336,7 @@ def list_events(
         Event.event_type,
         Event.dedup_key,
         Event.duplicate_count,
+        idempotency_key().label("idempotency_key"),
     )
     if filters.source:
         stmt = stmt.where(Event.source == filters.source)
@@ -338,7 +347,12 @@ def list_events(
     if filters.until is not None:
         stmt = stmt.where(Event.received_at < filters.until)
     if filters.q:
-        matches = [Event.dedup_key == filters.q]
+        # An API event is found by the Idempotency-Key its client sent (kept
+        # in its meta), as a webhook event is by its dedup key.
+        matches = [
+            Event.dedup_key == filters.q,
+            and_(Event.source.startswith("api:", autoescape=True), idempotency_key() == filters.q),
+        ]
         if is_row_id(filters.q):
             matches.append(Event.id == int(filters.q))
         stmt = stmt.where(or_(*matches))

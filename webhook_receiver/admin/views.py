@@ -14,6 +14,7 @@ from flask import (
     redirect,
     render_template,
     request,
+    send_from_directory,
     url_for,
 )
 from flask.typing import ResponseReturnValue
@@ -205,6 +206,7 @@ def event(event_id: int) -> str:
         headers=presenters.redact(ev.headers),
         body=presenters.show_body(ev.body, ev.content_type),
         meta=presenters.pretty_json(ev.meta) if ev.meta else "",
+        idempotency_key=presenters.idempotency_key(ev.source, ev.meta),
         requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
         duplicates_shown=queries.DUPLICATES_SHOWN,
     )
@@ -403,7 +405,9 @@ def idempotency() -> str:
 @bp.post("/idempotency/<int:record_id>/evict")
 def evict(record_id: int) -> ResponseReturnValue:
     """Delete one Idempotency-Key record, so that the key may be used afresh."""
-    if records.evict(record_id):
+    with unit_of_work():
+        evicted = records.evict(record_id)
+    if evicted:
         flash("Evicted the key: its next request runs afresh.", "success")
     else:
         flash("That key was already gone.", "warning")
@@ -425,3 +429,15 @@ def rejections() -> str:
         source=source,
         sources=_sources(),
     )
+
+
+# -- favicon -----------------------------------------------------------------
+
+
+def favicon() -> ResponseReturnValue:
+    """Serve the admin's icon where browsers look for one by default."""
+    return send_from_directory(bp.static_folder or "", "favicon.svg", mimetype="image/svg+xml")
+
+
+# At the root, not under /admin: a browser asks for /favicon.ico on its own.
+bp.record_once(lambda state: state.app.add_url_rule("/favicon.ico", "favicon", favicon))

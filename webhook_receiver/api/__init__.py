@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flask import Blueprint
+from . import replays  # noqa: F401  (counts replays as duplicates, on bp)
+from .views import bp
 
-bp = Blueprint("api", __name__, url_prefix="/api")
-
-from . import views  # noqa: E402,F401  (registers the routes on bp)
+__all__ = ["bp"]

@@ -21,8 +21,6 @@ from .base import (
 )
 
 MAX_KEY_LENGTH = 512
-# An optional scheme label before a hex signature, as in ``sha256=<hex>``.
-_PREFIX = re.compile(r"^[A-Za-z0-9_.-]+=")
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
 
@@ -115,19 +113,6 @@ def check_tolerance(signed_at: int, inbound: Inbound, source: SourceConfig) -> N
     """Raise TimestampError unless the signed time is within tolerance of now, either way."""
     if abs(inbound.now - signed_at) > source.tolerance_seconds:
         raise TimestampError("timestamp outside the tolerance")
-
-
-def verify_hex_body(inbound: Inbound, source: SourceConfig) -> None:
-    """Check ``source.signature_header``: HMAC-SHA256 hex of the raw body, optional ``word=``."""
-    if not source.signature_header:
-        raise SignatureError("no signature header configured")
-    value = header(inbound, source.signature_header)
-    digest = from_hex(_PREFIX.sub("", value, count=1))
-    if digest is None:
-        raise SignatureError(f"malformed {source.signature_header} header")
-    expected = (hmac_sha256(s.encode(), inbound.body) for s in secrets_of(source))
-    if not any_match(expected, [digest]):
-        raise SignatureError("signature does not match")
 
 
 def dedup_key(value: Any) -> str:
