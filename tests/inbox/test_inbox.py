@@ -168,12 +168,15 @@ def _fail_outbox_inserts() -> None:
             "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
             "FOR EACH ROW EXECUTE FUNCTION fail_outbox()",
         ]
+    db.session.rollback()
     with db.engine.begin() as conn:
         for statement in ddl:
             conn.execute(text(statement))
 
 
 def _drop_failure() -> None:
+    # The session's read holds a lock on the tables that DROP TRIGGER would wait for.
+    db.session.rollback()
     with db.engine.begin() as conn:
         conn.execute(text("DROP TRIGGER fail_outbox" + ("" if _sqlite() else " ON deliveries")))
         if not _sqlite():
