@@ -15,7 +15,8 @@ from webhook_receiver.models import Event
 from .conftest import ACME_TOKEN, CLIENTS, _migrate, bearer
 from .databases import throwaway_postgresql
 from .servers import free_port, gunicorn, wait_until
-from .webhooks.deliveries import SOURCES, delivery_for
+from .webhooks import signing as s
+from .webhooks.deliveries import delivery_for
 
 CONFIG_TOML = f'[clients.acme]\ntoken = "{ACME_TOKEN}"\n'
 EVENT = {"type": "order.created", "data": {"order": 7}}
@@ -38,7 +39,7 @@ def down_clients(make_app, db_url, tmp_path):
     """Test clients of apps whose database cannot be reached, with every provider's source."""
     return [
         make_app(
-            {"clients": CLIENTS, "sources": SOURCES}, SQLALCHEMY_DATABASE_URI=url
+            {"clients": CLIENTS, "sources": s.SOURCES}, SQLALCHEMY_DATABASE_URI=url
         ).test_client()
         for url in unreachable_urls(db_url, tmp_path)
     ]
@@ -90,7 +91,7 @@ def test_no_api_or_webhook_write_answers_2xx_when_the_database_is_unreachable(do
             if "source_name" in rule.arguments:
                 # A valid delivery to each configured source: an unknown one
                 # would be refused (404) before the database is touched.
-                for n, name in enumerate(SOURCES):
+                for n, name in enumerate(s.SOURCES):
                     body, headers = delivery_for(name, f"sweep-{n}")
                     path = adapter.build(rule.endpoint, {"source_name": name}, method="POST")
                     response = client.post(path, data=body, headers=headers)
@@ -102,7 +103,7 @@ def test_no_api_or_webhook_write_answers_2xx_when_the_database_is_unreachable(do
                 path, json=EVENT, headers={**bearer(), "Idempotency-Key": "sweep"}
             )
             assert not 200 <= response.status_code < 400, (rule.rule, response.status_code)
-    assert swept == set(SOURCES)
+    assert swept == set(s.SOURCES)
 
 
 # -- a real outage under gunicorn ----------------------------------------------

@@ -26,7 +26,8 @@ from webhook_receiver.models import Delivery, Event, EventConflict
 
 from .admin.conftest import PASSWORD, csrf_token, login
 from .conftest import CLIENTS, bearer
-from .webhooks.deliveries import SOURCES, delivery_for
+from .webhooks import signing as s
+from .webhooks.deliveries import delivery_for
 
 FUZZ = settings(
     max_examples=60,
@@ -92,7 +93,7 @@ content_types = st.one_of(
 
 @pytest.fixture
 def app(make_app: Callable[..., Flask]) -> Flask:
-    return make_app({"clients": CLIENTS, "sources": SOURCES}, ADMIN_PASSWORD=PASSWORD)
+    return make_app({"clients": CLIENTS, "sources": s.SOURCES}, ADMIN_PASSWORD=PASSWORD)
 
 
 def stored(app: Flask) -> dict[str, int]:
@@ -178,7 +179,7 @@ def test_fuzz_get_api_event(app, segment) -> None:
 
 @FUZZ
 @given(
-    source=st.sampled_from([*SOURCES, "nowhere"]),
+    source=st.sampled_from([*s.SOURCES, "nowhere"]),
     body=bodies,
     content_type=content_types,
     extra=st.dictionaries(

@@ -51,7 +51,7 @@ from .conftest import CLIENTS, bearer
 from .servers import gunicorn
 from .test_idempotency import make_test_blueprint
 from .webhooks import signing as s
-from .webhooks.deliveries import SOURCES, delivery_for
+from .webhooks.deliveries import delivery_for
 
 BIG = 2**63  # one past the largest row id
 NINES = "9" * 5000
@@ -60,7 +60,7 @@ STORED = (Event, EventConflict, Delivery)
 
 @pytest.fixture
 def app(make_app: Callable[..., Flask]) -> Flask:
-    return make_app({"clients": CLIENTS, "sources": SOURCES}, ADMIN_PASSWORD=PASSWORD)
+    return make_app({"clients": CLIENTS, "sources": s.SOURCES}, ADMIN_PASSWORD=PASSWORD)
 
 
 def counts(app: Flask) -> dict[str, int]:
@@ -457,10 +457,10 @@ CREDENTIAL_HEADERS = {
 
 def test_every_providers_secret_headers_and_credentials_are_stored_redacted(app: Flask) -> None:
     file_config = app.config["FILE_CONFIG"]
-    covered = {file_config.sources[name].provider for name in SOURCES}
+    covered = {file_config.sources[name].provider for name in s.SOURCES}
     assert covered == set(PROVIDERS), "a provider without a source here is not checked"
     client = app.test_client()
-    for n, name in enumerate(SOURCES):
+    for n, name in enumerate(s.SOURCES):
         body, headers = delivery_for(name, f"redact-{name}-{n}")
         response = client.post(
             f"/webhooks/{name}", data=body, headers={**headers, **CREDENTIAL_HEADERS}
@@ -629,7 +629,7 @@ def test_a_flood_of_bad_signatures_is_one_counted_row_per_address_and_minute(app
 
 
 def test_batched_refusals_write_nothing_per_request_then_add_up(make_app) -> None:
-    app = make_app({"sources": SOURCES}, REJECTION_FLUSH_SECONDS=3600)
+    app = make_app({"sources": s.SOURCES}, REJECTION_FLUSH_SECONDS=3600)
     client = app.test_client()
     for n in range(200):
         assert _forged(client, n) == 401

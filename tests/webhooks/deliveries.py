@@ -1,20 +1,8 @@
-"""A valid delivery for each test source, one per provider, with the key given."""
+"""A valid delivery for each test source of ``signing.SOURCES``, with the key given."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import time
-from typing import Any
-
 from . import signing as s
-
-PADDLE_SECRET = "pdl_ntfset_01gkpjp8bkm3tm53kdgkx6sms7_6h3qd3uFSi9YCD3OLYAShQI90XTI6vEY"
-# signing.SOURCES, and a source for each provider it lacks: every provider is covered.
-SOURCES: dict[str, dict[str, Any]] = {
-    **s.SOURCES,
-    "paddle": {"provider": "paddle", "secrets": [PADDLE_SECRET]},
-}
 
 
 def delivery_for(source: str, key: str) -> tuple[bytes, dict[str, str]]:
@@ -49,11 +37,7 @@ def delivery_for(source: str, key: str) -> tuple[bytes, dict[str, str]]:
         body = s.dumps({"meta": {"delivery": key}})
         return body, {"X-Hub-Signature": s.hmac_hex(body), "Content-Type": "application/json"}
     if source == "paddle":
-        body = s.dumps({"notification_id": key, "event_type": "transaction.created"})
-        ts = str(int(time.time()))
-        digest = hmac.new(PADDLE_SECRET.encode(), f"{ts}:".encode() + body, hashlib.sha256)
-        return body, {
-            "Paddle-Signature": f"ts={ts};h1={digest.hexdigest()}",
-            "Content-Type": "application/json",
-        }
+        return s.paddle_delivery(
+            {"notification_id": key, "event_id": "evt_1", "event_type": "transaction.created"}
+        )
     raise AssertionError(f"no delivery builder for source {source}")
