@@ -136,7 +136,7 @@ def _check_retention(app: Flask) -> None:
     if app.config["FORCE_SHORT_RETENTION"]:
         return
     file_config: cfg.FileConfig = app.config["FILE_CONFIG"]
-    for source in file_config.sources.values():
+    for source in [*file_config.sources.values(), *file_config.brokers.values()]:
         if source.retention_days < cfg.MIN_RETENTION_DAYS:
             raise cfg.ConfigError(
                 f"{file_config.path}: [sources.{source.name}] retention_days = "

@@ -82,7 +82,7 @@ def _scopes(
     file_config: FileConfig = config["FILE_CONFIG"]
     scopes = [
         _Scope(name, column == name, now - timedelta(days=source.retention_days))
-        for name, source in file_config.sources.items()
+        for name, source in [*file_config.sources.items(), *file_config.brokers.items()]
     ]
     if with_clients:
         api_cutoff = now - timedelta(days=_days(config, "API_RETENTION_DAYS"))
