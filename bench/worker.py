@@ -192,7 +192,7 @@ def run_case(
     """Time ``n`` deliveries of one kind through ``workers`` processes; None on timeout."""
     from sqlalchemy import func, select
 
-    from webhook_receiver import events
+    from webhook_receiver import inbox
     from webhook_receiver.extensions import db
     from webhook_receiver.models import Delivery
 
@@ -206,22 +206,20 @@ def run_case(
             db.session.commit()
             now = datetime.now(UTC)
             run = secrets.token_hex(4)
-            for i in range(n):
-                events.insert_event(
-                    {
-                        "source": source,
-                        "dedup_key": f"{run}-{i}",
-                        "event_type": "bench.event",
-                        "fingerprint": "0" * 64,
-                        "content_type": "application/json",
-                        "body": json.dumps({"type": "bench.event", "data": {"i": i}}).encode(),
-                        "headers": [],
-                        "meta": {},
-                        "received_at": now,
-                        "duplicate_count": 0,
-                    }
-                )
-            db.session.commit()
+            inbox.receive_many(
+                [
+                    inbox.Message(
+                        source=source,
+                        dedup_key=f"{run}-{i}",
+                        fingerprint="0" * 64,
+                        body=json.dumps({"type": "bench.event", "data": {"i": i}}).encode(),
+                        event_type="bench.event",
+                        content_type="application/json",
+                        received_at=now,
+                    )
+                    for i in range(n)
+                ]
+            )
             started = time.monotonic()
             deadline = started + timeout
             query = select(func.count()).select_from(Delivery).where(Delivery.state == "delivered")

@@ -18,8 +18,9 @@ from flask import Flask
 from flask.testing import FlaskClient, FlaskCliRunner
 from sqlalchemy import create_engine, text
 
-from webhook_receiver import create_app, duplicates
+from webhook_receiver import create_app
 from webhook_receiver.extensions import db as _db
+from webhook_receiver.inbox import duplicates
 
 from .databases import PG_URL, throwaway_postgresql
 

@@ -69,10 +69,9 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)
 
-    from . import correlation, database, duplicates, observability, problems
+    from . import correlation, database, observability, problems
 
     database.init_app(app)
-    duplicates.init_app(app)
     problems.init_app(app)
     correlation.init_app(app)
     observability.init_app(app)
@@ -91,9 +90,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
 
     retention.init_app(app)
 
-    from . import processing
+    from . import inbox, processing
 
     processing.init_app(app)
+    inbox.init_app(app, processing.routes(app))
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
     return app

@@ -15,14 +15,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from flask import Flask
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
@@ -103,6 +103,19 @@ def unit_of_work(
         raise
 
 
+@contextmanager
+def transaction(engine: Engine | None = None) -> Iterator[Connection]:
+    """A Core transaction on ``engine`` (the app's by default), in the writers' turn on SQLite.
+
+    Commits at the end of the block, or rolls back and re-raises. For a
+    unit of work that writes without the session: the inbox's batches, the
+    conflicts it keeps, the redeliveries' bookkeeping.
+    """
+    engine = engine or db.engine
+    with writer_turn(engine), engine.begin() as connection:
+        yield connection
+
+
 def autocommit_connection() -> Connection:
     """A pooled connection outside any transaction: each statement commits on its own.
 
@@ -136,103 +149,6 @@ def write_transaction(connection: Connection) -> Iterator[Connection]:
         except BaseException:
             connection.rollback()
             raise
-
-
-class DriverStatement:
-    """A Core statement compiled once and run straight on the driver's cursor.
-
-    SQLAlchemy still writes the SQL and converts each value as it would
-    (JSON, UTC datetimes, through the columns' own types); what is skipped
-    is its per-execution machinery (events, execution contexts, result
-    wrappers), which on the webhook receipt cost more CPU than the
-    statements themselves (bench/README.md). For hot paths only, through
-    ``driver_cursor()``.
-    """
-
-    def __init__(
-        self, statement: Any, dialect: Any, column_keys: Iterable[str] | None = None
-    ) -> None:
-        compiled = statement.compile(
-            dialect=dialect, column_keys=list(column_keys) if column_keys else None
-        )
-        # Only what is passed in is sent: no Python-side defaults, no
-        # expanding IN lists, no renamed binds (SQLAlchemy would handle them).
-        assert not compiled.insert_prefetch, compiled.insert_prefetch
-        assert not compiled.literal_execute_params
-        assert not compiled.escaped_bind_names
-        assert not any(b.expanding for b in compiled.binds.values())
-        self.sql = str(compiled)
-        # qmark (SQLite) binds by position, pyformat (psycopg) by name.
-        self._positional = compiled.positiontup is not None
-        names = compiled.positiontup if self._positional else list(compiled.binds)
-        self._binds = [
-            (
-                name,
-                compiled.binds[name].key,
-                compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect),
-            )
-            for name in names or ()
-        ]
-
-    def params(self, values: Mapping[str, Any]) -> Any:
-        """The statement's parameters, converted from ``values`` (keyed by bind key)."""
-        converted = (
-            (name, values[key] if process is None else process(values[key]))
-            for name, key, process in self._binds
-        )
-        if self._positional:
-            return tuple(value for _, value in converted)
-        return dict(converted)
-
-
-@contextmanager
-def driver_cursor() -> Iterator[Any]:
-    """A cursor of a pooled connection outside any transaction, for DriverStatements.
-
-    Each statement is its own transaction, durable when it returns (the
-    SQLite driver runs in autocommit mode, see _on_sqlite_connect; psycopg
-    is switched to it for the block). Driver errors come out as
-    SQLAlchemy's, so a database that is away or locked is a 503 like
-    everywhere else, and a dead connection leaves the pool.
-    """
-    engine = db.engine
-    dialect = engine.dialect
-    dbapi_error = dialect.loaded_dbapi.Error
-    postgresql = dialect.name == "postgresql"
-    pooled = None
-    try:
-        pooled = engine.raw_connection()  # a refused connection raises here too
-        driver = pooled.driver_connection
-        if postgresql:
-            driver.autocommit = True  # type: ignore[union-attr]
-        cursor = driver.cursor()  # type: ignore[union-attr]
-        try:
-            yield cursor
-        finally:
-            # Closing ends the statement: on SQLite an autocommitted
-            # statement commits only once it is finished.
-            cursor.close()
-    except dbapi_error as exc:
-        invalidated = pooled is not None and dialect.is_disconnect(exc, pooled, None)
-        if invalidated:
-            # As SQLAlchemy does on a disconnect: the other pooled
-            # connections went with the server, so the pool is replaced.
-            pooled.invalidate(exc)  # type: ignore[union-attr]
-            engine.dispose(close=False)
-        raise DBAPIError.instance(
-            "",
-            None,
-            exc,
-            dbapi_error,
-            hide_parameters=True,
-            connection_invalidated=invalidated,
-            dialect=dialect,
-        ) from exc
-    finally:
-        if pooled is not None:
-            if postgresql and pooled.is_valid:
-                pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
-            pooled.close()
 
 
 class SQLiteWriterTurns:

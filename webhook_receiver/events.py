@@ -1,4 +1,4 @@
-"""Data access for stored events, shared by the webhook and API surfaces."""
+"""Reading stored events, and the header redaction every intake applies before storing."""
 
 from __future__ import annotations
 
@@ -6,13 +6,8 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, select
-from sqlalchemy.engine import Connection
-
-from .database import insert_ignoring_conflicts
 from .extensions import db
 from .models import Event
-from .processing import outbox
 
 _t = Event.__table__
 
@@ -27,41 +22,6 @@ def redact_headers(
     """Return the headers as [name, value] pairs with secret-bearing values redacted."""
     secret = ALWAYS_REDACTED | {name.lower() for name in secret_names}
     return [[name, REDACTED if name.lower() in secret else value] for name, value in headers]
-
-
-def insert_event(values: dict[str, Any], connection: Connection | None = None) -> int | None:
-    """Insert an event in the current transaction; None if (source, dedup_key) exists.
-
-    The transaction is the session's, or that of ``connection`` when given.
-    A fresh event gets its consumers' delivery rows in the same transaction
-    (the outbox).
-    """
-    connection = connection or db.session.connection()
-    event_id = connection.execute(insert_statement(), values).scalar()
-    if event_id is not None:
-        outbox.enqueue(
-            event_id,
-            values["source"],
-            values.get("event_type"),
-            values["received_at"],
-            connection,
-        )
-    return event_id
-
-
-_INSERTS: dict[str, Any] = {}
-
-
-def insert_statement() -> Any:
-    """The event INSERT of the app's database: nothing on a taken key, else the new id."""
-    # One statement per dialect, built once and run through a connection:
-    # cheaper than building it, and than the ORM's execute.
-    dialect = db.engine.dialect.name
-    statement = _INSERTS.get(dialect)
-    if statement is None:
-        statement = insert_ignoring_conflicts(_t, ["source", "dedup_key"]).returning(_t.c.id)
-        _INSERTS[dialect] = statement
-    return statement
 
 
 def get_event(event_id: int) -> Event | None:
@@ -86,17 +46,3 @@ def iso(moment: datetime | None) -> str | None:
     if moment is None:
         return None
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-FIND_BY_KEY = select(_t.c.id, _t.c.fingerprint).where(
-    _t.c.source == bindparam("b_source"), _t.c.dedup_key == bindparam("b_key")
-)
-
-
-def find_by_key(source: str, dedup_key: str, connection: Connection) -> Any:
-    """Read the id and fingerprint of the event stored under (source, dedup_key).
-
-    A lone read, on a connection of ``autocommit_connection()``.
-    """
-    params = {"b_source": source, "b_key": dedup_key}
-    return connection.execute(FIND_BY_KEY, params).one_or_none()

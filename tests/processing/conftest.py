@@ -15,7 +15,7 @@ import pytest
 from flask import Flask
 from sqlalchemy import select
 
-from webhook_receiver import events
+from webhook_receiver import inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery
 from webhook_receiver.processing.worker import Worker
@@ -226,28 +226,24 @@ def store_event(
     body: bytes | None = None,
     content_type: str = "application/json",
 ) -> int:
-    """Store an event through ``events.insert_event`` (so the outbox runs) and commit."""
+    """Store an event through the inbox (so its deliveries are written) and commit."""
     if body is None:
         body = json.dumps({"type": event_type, "data": data or {}}).encode()
     with app.app_context():
-        event_id = events.insert_event(
-            {
-                "source": source,
-                "dedup_key": dedup_key,
-                "event_type": event_type,
-                "fingerprint": "f" * 64,
-                "content_type": content_type,
-                "body": body,
-                "headers": [],
-                "meta": {},
-                "correlation_id": correlation_id,
-                "received_at": clock(),
-                "duplicate_count": 0,
-            }
+        outcome = inbox.receive(
+            inbox.Message(
+                source=source,
+                dedup_key=dedup_key,
+                fingerprint="f" * 64,
+                body=body,
+                event_type=event_type,
+                content_type=content_type,
+                correlation_id=correlation_id,
+                received_at=clock(),
+            )
         )
-        db.session.commit()
-    assert event_id is not None
-    return event_id
+    assert isinstance(outcome, inbox.Accepted)
+    return outcome.event_id
 
 
 def delivery_rows(app: Flask) -> list[dict[str, Any]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
-from webhook_receiver import events
+from webhook_receiver import inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, Event
 
@@ -44,24 +44,20 @@ def test_new_event_gets_one_pending_delivery_per_matching_consumer(make_app, clo
 
 def test_a_duplicate_event_writes_no_second_delivery(make_app, clock):
     app = make_app(config_with([forward("billing", "http://127.0.0.1:9/b")]))
-    store_event(app, clock, dedup_key="evt-1")
+    first = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        again = events.insert_event(
-            {
-                "source": "shop",
-                "dedup_key": "evt-1",
-                "event_type": "order.paid",
-                "fingerprint": "f" * 64,
-                "content_type": "application/json",
-                "body": b"{}",
-                "headers": [],
-                "meta": {},
-                "received_at": clock(),
-                "duplicate_count": 0,
-            }
+        again = inbox.receive(
+            inbox.Message(
+                source="shop",
+                dedup_key="evt-1",
+                fingerprint="f" * 64,
+                body=b"{}",
+                event_type="order.paid",
+                content_type="application/json",
+                received_at=clock(),
+            )
         )
-        db.session.commit()
-    assert again is None
+    assert again == inbox.Duplicate(first)
     assert len(delivery_rows(app)) == 1
 
 
@@ -74,19 +70,15 @@ def test_an_event_without_consumers_gets_no_delivery(make_app, clock):
 def test_event_and_deliveries_roll_back_together(make_app, clock):
     app = make_app(config_with([forward("billing", "http://127.0.0.1:9/b")]))
     with app.app_context():
-        events.insert_event(
-            {
-                "source": "shop",
-                "dedup_key": "evt-1",
-                "event_type": "order.paid",
-                "fingerprint": "f" * 64,
-                "content_type": "application/json",
-                "body": b"{}",
-                "headers": [],
-                "meta": {},
-                "received_at": clock(),
-                "duplicate_count": 0,
-            }
+        inbox.add(
+            inbox.Message(
+                source="shop",
+                dedup_key="evt-1",
+                fingerprint="f" * 64,
+                body=b"{}",
+                event_type="order.paid",
+                received_at=clock(),
+            )
         )
         db.session.rollback()
         assert db.session.scalar(select(func.count()).select_from(Event)) == 0
@@ -120,8 +112,16 @@ def test_delivery_is_unique_per_event_and_consumer(make_app, clock):
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
         with pytest.raises(IntegrityError):
-            deliveries.enqueue(
-                [{"event_id": event_id, "consumer": "billing", "kind": "forward"}], clock()
+            db.session.execute(
+                insert(Delivery),
+                [
+                    {
+                        "event_id": event_id,
+                        "consumer": "billing",
+                        "kind": "forward",
+                        **deliveries.new_delivery_columns(clock()),
+                    }
+                ],
             )
         db.session.rollback()
     assert [r["state"] for r in delivery_rows(app)] == ["pending"]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from webhook_receiver import events
+from webhook_receiver import inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery
 
@@ -145,22 +145,20 @@ def test_concurrent_workers_never_claim_one_delivery_twice(make_app, downstream,
         workers.ready(proc)
     clock = Clock()
     with app.app_context():
-        for n in range(100):
-            events.insert_event(
-                {
-                    "source": "shop",
-                    "dedup_key": f"evt-{n}",
-                    "event_type": "order.paid",
-                    "fingerprint": "f" * 64,
-                    "content_type": "application/json",
-                    "body": json.dumps({"n": n}).encode(),
-                    "headers": [],
-                    "meta": {},
-                    "received_at": clock(),
-                    "duplicate_count": 0,
-                }
-            )
-        db.session.commit()
+        inbox.receive_many(
+            [
+                inbox.Message(
+                    source="shop",
+                    dedup_key=f"evt-{n}",
+                    fingerprint="f" * 64,
+                    body=json.dumps({"n": n}).encode(),
+                    event_type="order.paid",
+                    content_type="application/json",
+                    received_at=clock(),
+                )
+                for n in range(100)
+            ]
+        )
 
     def delivered() -> int:
         with app.app_context():

@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import delete, func, select
 
-from webhook_receiver import duplicates
 from webhook_receiver.extensions import db
+from webhook_receiver.inbox import duplicates
 from webhook_receiver.models import Event, EventDuplicate, utcnow
 
 from ..servers import wait_until

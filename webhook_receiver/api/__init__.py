@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from flask import Blueprint
+from .views import bp
 
-bp = Blueprint("api", __name__, url_prefix="/api")
-
-from . import views  # noqa: E402,F401  (registers the routes on bp)
+__all__ = ["bp"]

@@ -6,14 +6,15 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from flask import Response, abort, g, jsonify, request, url_for
+from flask import Blueprint, Response, abort, g, jsonify, request, url_for
 
-from .. import events
+from .. import correlation, events, inbox
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import idempotent
 from ..problems import Problem
-from . import bp
 from .auth import require_client
+
+bp = Blueprint("api", __name__, url_prefix="/api")
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -53,24 +54,27 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
         raise Problem("invalid-event", '"data" is required (any JSON value)')
     source = f"api:{g.client}"
     now = datetime.now(UTC)
-    event_id = events.insert_event(
-        {
-            "source": source,
+    event_id = inbox.add(
+        inbox.Message(
+            source=source,
             # Retries are deduplicated by the Idempotency-Key record; the
             # event's own key only has to be unique and stable.
-            "dedup_key": uuid.uuid4().hex,
-            "event_type": event_type,
-            "fingerprint": fingerprint([canonical_json(payload)]),
-            "content_type": request.content_type,
-            "body": body,
-            "headers": events.redact_headers(request.headers.items()),
-            "meta": {"idempotency_key": request.headers.get("Idempotency-Key")},
-            "client": g.client,
-            "received_at": now,
-            "duplicate_count": 0,
-        }
+            dedup_key=uuid.uuid4().hex,
+            fingerprint=fingerprint([canonical_json(payload)]),
+            body=body,
+            event_type=event_type,
+            content_type=request.content_type,
+            headers=tuple(
+                (name, value) for name, value in events.redact_headers(request.headers.items())
+            ),
+            meta={"idempotency_key": request.headers.get("Idempotency-Key")},
+            correlation_id=correlation.current(),
+            client=g.client,
+            received_at=now,
+        )
     )
-    assert event_id is not None  # a fresh uuid cannot conflict
+    if event_id is None:  # a fresh uuid cannot be taken
+        raise RuntimeError("a fresh event key was already taken")
     document = {
         "id": event_id,
         "type": event_type,

@@ -1,18 +1,20 @@
-"""Processing: per-consumer deliveries of stored events (the inbox and the outbox).
+"""Processing: per-consumer deliveries of stored events (the outbox's consumers).
 
 Handlers are declared with :func:`handler` in modules named by the config's
-``handlers`` list; forwards with ``[[sources.<name>.forward]]``. The outbox
-(:mod:`.outbox`) writes their deliveries with each new event; the worker
+``handlers`` list; forwards with ``[[sources.<name>.forward]]``. The inbox
+writes their deliveries with each new event (routed by :func:`routes`); the worker
 (:mod:`.worker`, ``flask --app wsgi worker``) runs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flask import Flask
 
 from .handlers import PermanentFailure, handler
 
-__all__ = ["PermanentFailure", "handler", "init_app"]
+__all__ = ["PermanentFailure", "handler", "init_app", "routes"]
 
 
 def init_app(app: Flask) -> None:
@@ -22,3 +24,15 @@ def init_app(app: Flask) -> None:
 
     registry.init_app(app)
     app.cli.add_command(worker_command)
+
+
+def routes(app: Flask) -> Callable[[str, str | None], list[tuple[str, str]]]:
+    """Name the (consumer, kind) of each delivery a new event of a source and type gets."""
+    from . import registry
+
+    consumers = registry.get(app)
+
+    def route(source: str, event_type: str | None) -> list[tuple[str, str]]:
+        return [(c.name, c.kind) for c in consumers.for_event(source, event_type)]
+
+    return route

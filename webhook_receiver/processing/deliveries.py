@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, insert, or_, select, update
-from sqlalchemy.engine import Connection
+from sqlalchemy import ColumnElement, CursorResult, and_, or_, select, update
 
 from ..database import commit_without_waiting_for_disk
 from ..extensions import db
@@ -147,25 +146,19 @@ def _claimable(now: datetime) -> ColumnElement[bool]:
     )
 
 
-def enqueue(
-    rows: list[dict[str, Any]], now: datetime, connection: Connection | None = None
-) -> None:
-    """Insert pending deliveries in the event's transaction (the session's, or ``connection``'s)."""
-    if rows:
-        (connection or db.session).execute(
-            insert(_t),
-            [
-                {
-                    **row,
-                    "state": PENDING,
-                    "attempts": 0,
-                    "next_attempt_at": now,
-                    "created_at": now,
-                    "updated_at": now,
-                }
-                for row in rows
-            ],
-        )
+def new_delivery_columns(now: datetime) -> dict[str, Any]:
+    """The columns of a fresh delivery besides its event, consumer and kind.
+
+    The one definition of a new outbox row: the inbox writes it with every
+    new event, row by row or inside PostgreSQL's one-statement receipt.
+    """
+    return {
+        "state": PENDING,
+        "attempts": 0,
+        "next_attempt_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
 
 
 def claim_next(now: datetime, lease: timedelta) -> Claim | None:

@@ -38,9 +38,9 @@ from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
 from sqlalchemy.engine import Engine
 
-from .database import writer_turn
-from .extensions import db
-from .models import Event, EventDuplicate, UTCDateTime
+from ..database import transaction
+from ..extensions import db
+from ..models import Event, EventDuplicate, UTCDateTime
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class DuplicateLedger:
             counts[r.event_id] = (n + 1, max(last, r.received_at))
         # The UPDATE comes first: on SQLite a transaction must start with its
         # write (see database.py), and it orders this batch after a purge.
-        with writer_turn(self.engine), self.engine.begin() as conn:
+        with transaction(self.engine) as conn:
             # Rows locked in id order: two processes' batches never deadlock.
             conn.execute(
                 _COUNT,

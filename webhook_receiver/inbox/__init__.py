@@ -1,0 +1,45 @@
+"""The inbox: every received message is stored here, whatever its intake.
+
+Intakes (webhooks, the Idempotency-Key API, broker consumers) verify,
+identify and answer; the inbox writes. It owns the event row (the dedup
+marker, under its unique (source, dedup key) constraint), the event's
+deliveries (the transactional outbox), the conflicts kept for review and
+the redeliveries' bookkeeping.
+
+- :func:`receive` stores one message, committed before it returns.
+- :func:`receive_many` stores a batch in one transaction (the broker
+  consumers' unit of work), one outcome per message.
+- :func:`add` writes a new event inside the caller's transaction, for an
+  intake whose unit of work holds more than the event.
+
+See docs/architecture.md for the layers and the commit points.
+"""
+
+from __future__ import annotations
+
+from flask import Flask
+
+from . import duplicates
+from .driver import FastPathError
+from .messages import Accepted, Conflict, Duplicate, Message, Outcome
+from .store import EXTENSION, Routes, add, receive, receive_many
+
+__all__ = [
+    "Accepted",
+    "Conflict",
+    "Duplicate",
+    "FastPathError",
+    "Message",
+    "Outcome",
+    "Routes",
+    "add",
+    "init_app",
+    "receive",
+    "receive_many",
+]
+
+
+def init_app(app: Flask, routes: Routes) -> None:
+    """Give the app its inbox: ``routes`` names the consumers of a new event."""
+    app.extensions[EXTENSION] = routes
+    duplicates.init_app(app)

@@ -1,0 +1,117 @@
+"""Statements compiled once by SQLAlchemy and run straight on the driver's cursor.
+
+The receipt of one message is the hottest path of the service, and on it
+SQLAlchemy's per-execution machinery (events, execution contexts, result
+wrappers) cost more CPU than the statements themselves (bench/README.md).
+A :class:`DriverStatement` keeps what matters of SQLAlchemy (it writes the
+SQL and converts each value through the columns' own types: JSON, UTC
+datetimes, arrays) and skips the rest. The contract tests in
+``tests/inbox/test_fast_paths.py`` hold it to that: a row stored through
+here equals the row the plain Core path stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+
+class FastPathError(TypeError):
+    """A statement uses a feature that only SQLAlchemy's own execution would honour."""
+
+
+class DriverStatement:
+    """A Core statement compiled for one dialect, with its binds' converters."""
+
+    def __init__(
+        self, statement: Any, dialect: Any, column_keys: Iterable[str] | None = None
+    ) -> None:
+        compiled = statement.compile(
+            dialect=dialect, column_keys=list(column_keys) if column_keys else None
+        )
+        # Only what is passed in is sent: a statement that needs Python-side
+        # defaults, expanding IN lists or renamed binds would be sent wrong.
+        if compiled.insert_prefetch:
+            raise FastPathError(f"Python-side defaults are not sent: {compiled.insert_prefetch}")
+        if compiled.literal_execute_params:
+            raise FastPathError("literal-execute parameters are not supported")
+        if compiled.escaped_bind_names:
+            raise FastPathError(f"escaped bind names: {compiled.escaped_bind_names}")
+        expanding = [name for name, b in compiled.binds.items() if b.expanding]
+        if expanding:
+            raise FastPathError(f"expanding IN parameters are not supported: {expanding}")
+        self.sql = str(compiled)
+        # qmark (SQLite) binds by position, pyformat (psycopg) by name.
+        self._positional = compiled.positiontup is not None
+        names = compiled.positiontup if self._positional else list(compiled.binds)
+        self._binds = [
+            (
+                name,
+                compiled.binds[name].key,
+                compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect),
+            )
+            for name in names or ()
+        ]
+
+    def params(self, values: Mapping[str, Any]) -> Any:
+        """The statement's parameters, converted from ``values`` (keyed by bind key)."""
+        converted = (
+            (name, values[key] if process is None else process(values[key]))
+            for name, key, process in self._binds
+        )
+        if self._positional:
+            return tuple(value for _, value in converted)
+        return dict(converted)
+
+
+@contextmanager
+def driver_cursor(engine: Engine) -> Iterator[Any]:
+    """A cursor of a pooled connection outside any transaction, for DriverStatements.
+
+    Each statement is its own transaction, durable when it returns (the
+    SQLite driver runs in autocommit mode, see database._on_sqlite_connect;
+    psycopg is switched to it for the block). Driver errors come out as
+    SQLAlchemy's, so a database that is away or locked is a 503 like
+    everywhere else, and a dead connection leaves the pool.
+    """
+    dialect = engine.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
+    postgresql = dialect.name == "postgresql"
+    pooled = None
+    try:
+        pooled = engine.raw_connection()  # a refused connection raises here too
+        driver = pooled.driver_connection
+        if postgresql:
+            driver.autocommit = True  # type: ignore[union-attr]
+        cursor = driver.cursor()  # type: ignore[union-attr]
+        try:
+            yield cursor
+        finally:
+            # Closing ends the statement: on SQLite an autocommitted
+            # statement commits only once it is finished.
+            cursor.close()
+    except dbapi_error as exc:
+        invalidated = pooled is not None and dialect.is_disconnect(exc, pooled, None)
+        if invalidated:
+            # As SQLAlchemy does on a disconnect: the other pooled
+            # connections went with the server, so the pool is replaced.
+            pooled.invalidate(exc)  # type: ignore[union-attr]
+            engine.dispose(close=False)
+        raise DBAPIError.instance(
+            "",
+            None,
+            exc,
+            dbapi_error,
+            hide_parameters=True,
+            connection_invalidated=invalidated,
+            dialect=dialect,
+        ) from exc
+    finally:
+        if pooled is not None:
+            if postgresql and pooled.is_valid:
+                pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
+            pooled.close()

@@ -1,0 +1,55 @@
+"""What the inbox takes (a Message) and what it answers (an Outcome)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received message, verified and identified by its intake, ready to store.
+
+    ``dedup_key`` is the stable key of the logical message (never a value
+    that changes per attempt); ``fingerprint`` covers its content, so the
+    same key with other content is told apart as a conflict. ``headers``
+    are already redacted. ``received_at`` None: the inbox stamps it.
+    """
+
+    source: str
+    dedup_key: str
+    fingerprint: str
+    body: bytes
+    event_type: str | None = None
+    content_type: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    correlation_id: str | None = None
+    client: str | None = None
+    received_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The message was new: stored as ``event_id``, with its deliveries."""
+
+    event_id: int
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """The same message was stored before as ``event_id``; nothing new was written."""
+
+    event_id: int
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Other content was stored under this key as ``event_id``; this one is kept for review."""
+
+    event_id: int
+
+
+Outcome = Accepted | Duplicate | Conflict

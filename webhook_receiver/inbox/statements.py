@@ -1,0 +1,185 @@
+"""The inbox's SQL, built once per engine: the plain Core statements and the fast paths.
+
+Every statement that writes a received message is here. The plain Core
+statements serve batches, in-transaction writes and the reference path of
+the contract tests; the fast paths serve one message at a time:
+
+- SQLite: the key read and the event INSERT run on the driver
+  (:class:`~.driver.DriverStatement`), the INSERT autocommitted when the
+  event has no deliveries to write with it.
+- PostgreSQL: the read, the insert and the deliveries are one statement
+  (CTEs), run on the driver in its own transaction: one round trip.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from sqlalchemy import String, bindparam, func, insert, select, tuple_
+from sqlalchemy import true as literal_true
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+
+from ..models import Delivery, Event, EventConflict, utcnow
+from ..processing.deliveries import new_delivery_columns
+from .driver import DriverStatement
+
+events = Event.__table__
+deliveries = Delivery.__table__
+conflicts = EventConflict.__table__
+
+# The columns an intake's message fills; id and last_duplicate_at are the database's.
+EVENT_COLUMNS = (
+    "source",
+    "dedup_key",
+    "event_type",
+    "fingerprint",
+    "content_type",
+    "body",
+    "headers",
+    "meta",
+    "correlation_id",
+    "client",
+    "duplicate_count",
+    "received_at",
+)
+# A new delivery's columns: its event, consumer and kind, then the defaults.
+DELIVERY_DEFAULTS = tuple(new_delivery_columns(utcnow()))
+CONFLICT_COLUMNS = (
+    "source",
+    "dedup_key",
+    "fingerprint",
+    "content_type",
+    "body",
+    "headers",
+    "received_at",
+)
+
+
+def _insert(dialect_name: str, table: Any) -> Any:
+    """An INSERT of this dialect, which knows ``ON CONFLICT``."""
+    if dialect_name == "postgresql":
+        return postgresql.insert(table)
+    if dialect_name == "sqlite":
+        return sqlite.insert(table)
+    raise NotImplementedError(f"the inbox supports SQLite and PostgreSQL, not {dialect_name}")
+
+
+class Statements:
+    """The statements of one engine (one dialect), compiled where it pays."""
+
+    def __init__(self, engine: Engine) -> None:
+        dialect = engine.dialect
+        self.dialect_name = dialect.name
+        self.find = select(events.c.id, events.c.fingerprint).where(
+            events.c.source == bindparam("b_source"), events.c.dedup_key == bindparam("b_key")
+        )
+        self.find_many = select(
+            events.c.id, events.c.source, events.c.dedup_key, events.c.fingerprint
+        ).where(
+            tuple_(events.c.source, events.c.dedup_key).in_(bindparam("b_keys", expanding=True))
+        )
+        ignoring = _insert(dialect.name, events).on_conflict_do_nothing(
+            index_elements=["source", "dedup_key"]
+        )
+        # None on a taken key, else the new id.
+        self.insert_event = ignoring.returning(events.c.id)
+        # For a batch: which of its keys were new.
+        self.insert_events = ignoring.returning(events.c.id, events.c.source, events.c.dedup_key)
+        self.insert_deliveries = insert(deliveries)
+        self.keep_conflict = _conflict_upsert(dialect.name)
+        if dialect.name == "sqlite":
+            self.fast_find = DriverStatement(self.find, dialect)
+            self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
+        elif dialect.name == "postgresql":
+            self.fast_receive = DriverStatement(_receive_statement(), dialect)
+
+
+def _conflict_upsert(dialect_name: str) -> Any:
+    # One record per distinct content: a repeat of the same conflicting
+    # delivery only counts.
+    stmt = _insert(dialect_name, conflicts)
+    return stmt.on_conflict_do_update(
+        index_elements=["event_id", "fingerprint"],
+        set_={
+            "seen_count": conflicts.c.seen_count + 1,
+            "last_seen_at": stmt.excluded.last_seen_at,
+        },
+    )
+
+
+def _receive_statement() -> Any:
+    """PostgreSQL's one-statement receipt.
+
+    ``stored`` reads the event under the key; ``inserted`` inserts this one
+    only when there is none (``ON CONFLICT DO NOTHING`` for a racing copy
+    committed after the snapshot); ``enqueued`` writes a new event's
+    deliveries (the outbox), one per element of the ``v_consumers`` and
+    ``v_kinds`` arrays. All of it commits together.
+    """
+    stored = (
+        select(events.c.id, events.c.fingerprint)
+        .where(
+            events.c.source == bindparam("v_source"),
+            events.c.dedup_key == bindparam("v_dedup_key"),
+        )
+        .cte("stored")
+    )
+    new_row = select(
+        *[bindparam(f"v_{name}", type_=events.c[name].type) for name in EVENT_COLUMNS]
+    ).where(~select(stored.c.id).exists())
+    inserted = (
+        postgresql.insert(events)
+        .from_select(list(EVENT_COLUMNS), new_row)
+        .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
+        .returning(events.c.id)
+        .cte("inserted")
+    )
+    wanted = (
+        func.unnest(
+            bindparam("v_consumers", type_=postgresql.ARRAY(String())),
+            bindparam("v_kinds", type_=postgresql.ARRAY(String())),
+        )
+        .table_valued("consumer", "kind")
+        .render_derived(name="wanted")
+    )
+    enqueued = (
+        insert(deliveries)
+        .from_select(
+            ["event_id", "consumer", "kind", *DELIVERY_DEFAULTS],
+            select(
+                inserted.c.id,
+                wanted.c.consumer,
+                wanted.c.kind,
+                *[
+                    bindparam(f"d_{name}", type_=deliveries.c[name].type)
+                    for name in DELIVERY_DEFAULTS
+                ],
+            ).select_from(inserted.join(wanted, literal_true())),
+        )
+        .returning(deliveries.c.id)
+        .cte("enqueued")
+    )
+    return select(
+        select(stored.c.id).scalar_subquery().label("stored_id"),
+        select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
+        select(inserted.c.id).scalar_subquery().label("event_id"),
+        select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
+    )
+
+
+_BY_ENGINE: weakref.WeakKeyDictionary[Engine, Statements] = weakref.WeakKeyDictionary()
+_BUILDING = threading.Lock()
+
+
+def for_engine(engine: Engine) -> Statements:
+    """The statements of ``engine``, built on first use (each engine its own dialect)."""
+    built = _BY_ENGINE.get(engine)
+    if built is None:
+        with _BUILDING:
+            built = _BY_ENGINE.get(engine)
+            if built is None:
+                built = _BY_ENGINE[engine] = Statements(engine)
+    return built

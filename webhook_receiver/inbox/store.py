@@ -1,0 +1,357 @@
+"""Storing received messages: one at a time, in a batch, or inside the caller's transaction.
+
+The event row is the dedup marker: its unique (source, dedup key)
+constraint decides between racing copies. A new event is written together
+with its deliveries (the outbox); a redelivery with the same fingerprint
+writes nothing in its request (its count is bookkeeping, written in a batch:
+see duplicates.py); other content under the key is a conflict, kept for
+review in ``event_conflicts``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from flask import current_app
+from sqlalchemy.engine import Connection, Engine
+
+from ..database import autocommit_connection, transaction, write_transaction, writer_turn
+from ..extensions import db
+from ..models import utcnow
+from ..processing.deliveries import new_delivery_columns
+from . import duplicates
+from .driver import driver_cursor
+from .messages import Accepted, Conflict, Duplicate, Message, Outcome
+from .statements import CONFLICT_COLUMNS, Statements, for_engine
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "webhook_receiver.inbox"
+
+# (source, event type) -> the (name, kind) of each consumer of a new event.
+Routes = Callable[[str, str | None], list[tuple[str, str]]]
+
+
+def _routes() -> Routes:
+    routes: Routes = current_app.extensions[EXTENSION]
+    return routes
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """The event already under a key."""
+
+    id: int
+    fingerprint: str
+
+
+def event_values(message: Message, received_at: datetime) -> dict[str, Any]:
+    """The events row of ``message``, column by column."""
+    return {
+        "source": message.source,
+        "dedup_key": message.dedup_key,
+        "event_type": message.event_type,
+        "fingerprint": message.fingerprint,
+        "content_type": message.content_type or None,
+        "body": message.body,
+        "headers": [list(pair) for pair in message.headers],
+        "meta": dict(message.meta),
+        "correlation_id": message.correlation_id,
+        "client": message.client,
+        "duplicate_count": 0,
+        "received_at": received_at,
+    }
+
+
+def receive(message: Message, *, fast: bool = True) -> Outcome:
+    """Store one message, committed before this returns; say what became of it.
+
+    ``fast=False`` takes the plain Core path instead of the dialect's fast
+    path (the contract tests compare the two).
+    """
+    engine = db.engine
+    statements = for_engine(engine)
+    consumers = _routes()(message.source, message.event_type)
+    for _ in range(3):
+        values = event_values(message, message.received_at or utcnow())
+        if not fast:
+            stored, event_id = _receive_core(engine, statements, values, consumers)
+        elif statements.dialect_name == "postgresql":
+            stored, event_id = _receive_postgresql(engine, statements, values, consumers)
+        elif consumers:
+            stored, event_id = _receive_sqlite_with_deliveries(
+                engine, statements, values, consumers
+            )
+        else:
+            stored, event_id = _receive_sqlite_alone(engine, statements, values)
+        if event_id is not None:
+            _log("accepted", message, event_id)
+            return Accepted(event_id)
+        if stored is not None:
+            return _settle_existing(engine, statements, message, values, stored)
+        # A racing copy won the insert after this one's read: read what it stored.
+    raise RuntimeError("receipt did not settle")  # pragma: no cover
+
+
+def receive_many(messages: Sequence[Message]) -> list[Outcome]:
+    """Store a batch in one transaction, committed before this returns; an outcome per message.
+
+    New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
+    RETURNING`` and their deliveries one more INSERT. A key repeated inside
+    the batch is settled against its first occurrence. Raises the database's
+    error (nothing committed) when it is away or locked.
+    """
+    if not messages:
+        return []
+    engine = db.engine
+    statements = for_engine(engine)
+    routes = _routes()
+    now = utcnow()
+    first: dict[tuple[str, str], int] = {}
+    for index, message in enumerate(messages):
+        first.setdefault((message.source, message.dedup_key), index)
+    rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
+    with transaction(engine) as conn:
+        new_ids = {
+            (row.source, row.dedup_key): row.id
+            for row in conn.execute(statements.insert_events, rows)
+        }
+        taken = [key for key in first if key not in new_ids]
+        stored: dict[tuple[str, str], _Stored] = {}
+        if taken:
+            for row in conn.execute(statements.find_many, {"b_keys": taken}):
+                stored[(row.source, row.dedup_key)] = _Stored(row.id, row.fingerprint)
+        deliveries = []
+        for key, event_id in new_ids.items():
+            message = messages[first[key]]
+            deliveries += _delivery_rows(event_id, routes(message.source, message.event_type), now)
+        if deliveries:
+            conn.execute(statements.insert_deliveries, deliveries)
+        outcomes: list[Outcome] = []
+        conflicts: list[tuple[Message, int]] = []
+        for index, message in enumerate(messages):
+            key = (message.source, message.dedup_key)
+            if key in new_ids:
+                event_id = new_ids[key]
+                if first[key] == index:
+                    outcomes.append(Accepted(event_id))
+                    continue
+                reference = _Stored(event_id, messages[first[key]].fingerprint)
+            else:
+                reference = stored[key]
+            if reference.fingerprint == message.fingerprint:
+                outcomes.append(Duplicate(reference.id))
+            else:
+                outcomes.append(Conflict(reference.id))
+                conflicts.append((message, reference.id))
+        for message, event_id in conflicts:
+            _keep_conflict(conn, statements, event_id, message, now)
+    for message, outcome in zip(messages, outcomes, strict=True):
+        if isinstance(outcome, Duplicate):
+            duplicates.record(outcome.event_id, message.received_at or now)
+        _log_outcome(message, outcome)
+    return outcomes
+
+
+def add(message: Message) -> int | None:
+    """Write a new event and its deliveries in the session's transaction; None if the key is taken.
+
+    For an intake whose unit of work holds more than the event (the
+    Idempotency-Key API): the caller commits, or rolls back, everything.
+    """
+    statements = for_engine(db.engine)
+    conn = db.session.connection()
+    now = message.received_at or utcnow()
+    event_id = conn.execute(statements.insert_event, event_values(message, now)).scalar()
+    if event_id is not None:
+        rows = _delivery_rows(event_id, _routes()(message.source, message.event_type), now)
+        if rows:
+            conn.execute(statements.insert_deliveries, rows)
+        _log("accepted", message, event_id)
+    return event_id
+
+
+# -- the paths of one message ------------------------------------------------
+# Each returns (the event stored under the key, None) when the key is taken,
+# (None, the new event's id) when this message was stored, and (None, None)
+# when a racing copy won the insert after this one looked.
+
+
+def _receive_core(
+    engine: Engine,
+    statements: Statements,
+    values: dict[str, Any],
+    consumers: list[tuple[str, str]],
+) -> tuple[_Stored | None, int | None]:
+    """The plain Core path: insert, and read the key only when it was taken."""
+    with transaction(engine) as conn:
+        event_id = conn.execute(statements.insert_event, values).scalar()
+        if event_id is None:
+            keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+            row = conn.execute(statements.find, keys).one_or_none()
+            return (_Stored(*row) if row else None), None
+        _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
+    return None, event_id
+
+
+def _receive_sqlite_alone(
+    engine: Engine, statements: Statements, values: dict[str, Any]
+) -> tuple[_Stored | None, int | None]:
+    """SQLite, no deliveries: the read, then an autocommitted INSERT, both on the driver.
+
+    Redeliveries are read-only: a read needs no turn at the write lock, so
+    a storm of copies does not queue behind new events. The INSERT is then
+    a transaction of its own, durable when it returns.
+    """
+    find, insert_ = statements.fast_find, statements.fast_insert
+    with driver_cursor(engine) as cursor:
+        keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+        row = cursor.execute(find.sql, find.params(keys)).fetchone()
+        if row is not None:
+            return _Stored(*row), None
+        params = insert_.params(values)
+        with writer_turn(engine):
+            # fetchall() runs the statement to its end, where SQLite commits
+            # it: before the turn passes on, and before any answer.
+            rows = cursor.execute(insert_.sql, params).fetchall()
+    return None, rows[0][0] if rows else None
+
+
+def _receive_sqlite_with_deliveries(
+    engine: Engine,
+    statements: Statements,
+    values: dict[str, Any],
+    consumers: list[tuple[str, str]],
+) -> tuple[_Stored | None, int | None]:
+    """SQLite with deliveries: a lone read, then the event and its deliveries in one transaction."""
+    with autocommit_connection() as conn:
+        keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+        row = conn.execute(statements.find, keys).one_or_none()
+        if row is not None:
+            return _Stored(*row), None
+        with write_transaction(conn):
+            event_id = conn.execute(statements.insert_event, values).scalar()
+            if event_id is not None:
+                _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
+    return None, event_id
+
+
+def _receive_postgresql(
+    engine: Engine,
+    statements: Statements,
+    values: dict[str, Any],
+    consumers: list[tuple[str, str]],
+) -> tuple[_Stored | None, int | None]:
+    """PostgreSQL: read, insert and deliveries in one statement, its own transaction.
+
+    A taken key writes nothing, so its commit is free; a new event commits
+    durably, deliveries included, before the statement returns.
+    """
+    statement = statements.fast_receive
+    bind = {f"v_{name}": value for name, value in values.items()}
+    bind["v_consumers"] = [name for name, _ in consumers]
+    bind["v_kinds"] = [kind for _, kind in consumers]
+    for name, value in new_delivery_columns(values["received_at"]).items():
+        bind[f"d_{name}"] = value
+    with driver_cursor(engine) as cursor:
+        row = cursor.execute(statement.sql, statement.params(bind)).fetchone()
+    stored_id, stored_fingerprint, event_id, _enqueued = row
+    if stored_id is not None:
+        return _Stored(stored_id, stored_fingerprint), None
+    return None, event_id
+
+
+# -- shared pieces --------------------------------------------------------------
+
+
+def _delivery_rows(
+    event_id: int, consumers: list[tuple[str, str]], now: datetime
+) -> list[dict[str, Any]]:
+    columns = new_delivery_columns(now)
+    return [
+        {"event_id": event_id, "consumer": name, "kind": kind, **columns}
+        for name, kind in consumers
+    ]
+
+
+def _insert_deliveries(
+    conn: Connection,
+    statements: Statements,
+    event_id: int,
+    consumers: list[tuple[str, str]],
+    now: datetime,
+) -> None:
+    rows = _delivery_rows(event_id, consumers, now)
+    if rows:
+        conn.execute(statements.insert_deliveries, rows)
+
+
+def _settle_existing(
+    engine: Engine,
+    statements: Statements,
+    message: Message,
+    values: dict[str, Any],
+    stored: _Stored,
+) -> Outcome:
+    """A message whose key is taken: a duplicate, or a conflict kept for review."""
+    if stored.fingerprint == message.fingerprint:
+        # The answer needs nothing more than the stored event; the count is
+        # bookkeeping, written in a batch (see duplicates.py).
+        duplicates.record(stored.id, values["received_at"])
+        _log("duplicate", message, stored.id)
+        return Duplicate(stored.id)
+    with transaction(engine) as conn:
+        _keep_conflict(conn, statements, stored.id, message, values["received_at"])
+    outcome = Conflict(stored.id)
+    _log_outcome(message, outcome)
+    return outcome
+
+
+def _keep_conflict(
+    conn: Connection, statements: Statements, event_id: int, message: Message, now: datetime
+) -> None:
+    values = event_values(message, message.received_at or now)
+    conn.execute(
+        statements.keep_conflict,
+        {
+            "event_id": event_id,
+            "seen_count": 1,
+            "last_seen_at": now,
+            **{name: values[name] for name in CONFLICT_COLUMNS},
+        },
+    )
+
+
+def _log_outcome(message: Message, outcome: Outcome) -> None:
+    if isinstance(outcome, Conflict):
+        log.error(
+            "dedup key reused with different content",
+            extra={
+                "outcome": "conflict",
+                "source": message.source,
+                "dedup_key": message.dedup_key,
+                "event_id": outcome.event_id,
+                "correlation_id": message.correlation_id,
+            },
+        )
+    else:
+        kind = "accepted" if isinstance(outcome, Accepted) else "duplicate"
+        _log(kind, message, outcome.event_id)
+
+
+def _log(outcome: str, message: Message, event_id: int) -> None:
+    log.info(
+        "delivery %s",
+        outcome,
+        extra={
+            "outcome": outcome,
+            "source": message.source,
+            "dedup_key": message.dedup_key,
+            "event_id": event_id,
+            "correlation_id": message.correlation_id,
+        },
+    )
