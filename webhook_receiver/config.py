@@ -254,6 +254,12 @@ class FileConfig:
     ordering: dict[str, OrderingConfig] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def retention_days(self) -> dict[str, int]:
+        """Each configured source's retention in days, webhook and broker sources alike."""
+        days = {name: source.retention_days for name, source in self.sources.items()}
+        days.update((name, source.retention_days) for name, source in self.brokers.items())
+        return days
+
     def client_for_token(self, token: str) -> ClientConfig | None:
         """Find the client whose token this is, without a timing leak on the token."""
         return self._by_token_digest.get(hashlib.sha256(token.encode()).digest())

@@ -62,6 +62,11 @@ class Metrics:
             "Deliveries refused as unauthentic, by reason (signature or timestamp).",
             ("source", "reason"),
         )
+        self.broker_dead_letters = counter(
+            "broker_dead_letters",
+            "Broker messages dead-lettered by the consumer (conflict, no key, bad payload).",
+            ("source", "reason"),
+        )
         self.replays = counter(
             "replays", "Saved Idempotency-Key responses replayed, per source.", ("source",)
         )
@@ -124,6 +129,13 @@ def signature_failure(source: str, reason: str) -> None:
     m = _metrics()
     if m is not None:
         m.signature_failures.labels(source, reason).inc()
+
+
+def broker_dead_letter(source: str, reason: str) -> None:
+    """Count a broker message the consumer dead-lettered, by reason."""
+    m = _metrics()
+    if m is not None:
+        m.broker_dead_letters.labels(source, reason).inc()
 
 
 def replay(source: str) -> None:

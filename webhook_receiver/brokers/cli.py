@@ -1,0 +1,35 @@
+"""``flask --app wsgi consume [SOURCE ...]``: consume broker sources until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import click
+from flask import current_app
+from flask.cli import with_appcontext
+
+from ..config import ConfigError
+from . import runner
+
+
+@click.command("consume")
+@click.argument("sources", nargs=-1)
+@with_appcontext
+def consume_command(sources: tuple[str, ...]) -> None:
+    """Consume the named broker sources (all of them by default) into the inbox."""
+    if not logging.getLogger().handlers:
+        # As the worker command does: plain lines when nothing configured logging.
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    logging.getLogger("webhook_receiver.brokers").setLevel(logging.INFO)
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    try:
+        chosen = runner.sources_to_consume(app.config["FILE_CONFIG"], sources)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    error = runner.run(app, chosen, threading.Event())
+    if error is not None:
+        raise click.ClickException(error)
+    click.echo(f"consume stopped ({', '.join(s.name for s in chosen)})")

@@ -1,0 +1,192 @@
+"""The RabbitMQ consumer: pika's BlockingConnection, manual acks after the commit.
+
+``basic_qos(prefetch_count)`` bounds a batch: the broker has at most that
+many unacknowledged messages out to us. A batch is what arrived by the
+time it is full or a short wait has passed; the inbox stores it in one
+transaction; then a run of messages to acknowledge is one ``basic_ack``
+with ``multiple=True``, and a message to dead-letter a
+``basic_nack(requeue=False)`` (the queue's dead-letter exchange gets it,
+unchanged). The database away: the batch is nacked with requeue and the
+consumer backs off. The broker away: reconnect with backoff; what was not
+acknowledged comes back and is recognised as duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import pika
+import pika.exceptions
+from flask import Flask
+
+from ..config import AMQP_PROPERTIES, BrokerSourceConfig
+from . import batch
+from .identify import Delivery, text_of
+from .outage import FatalConsumerError, Outage
+
+log = logging.getLogger(__name__)
+
+# How long a batch waits for more messages after its first one.
+BATCH_WAIT_SECONDS = 0.05
+# How long an idle consumer waits for a message before looking at the stop flag.
+IDLE_WAIT_SECONDS = 0.25
+_NOT_FOUND = 404
+_CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
+
+
+class RabbitConsumer:
+    """Consume one RabbitMQ queue into the inbox until ``stop`` is set."""
+
+    def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
+        self.app = app
+        self.source = source
+        self.stop = stop
+        self.outage = Outage(source.name)
+        self._cancelled = False
+
+    def run(self) -> None:
+        """Consume until stopped; reconnect and back off through outages."""
+        with self.app.app_context():
+            while not self.stop.is_set():
+                try:
+                    self._session()
+                except FatalConsumerError:
+                    raise
+                except batch.DatabaseUnavailable as exc:
+                    # Raised only where the batch could not be requeued itself.
+                    self.stop.wait(self.outage.failed("database", exc))
+                except _CONNECTION_ERRORS as exc:
+                    self.stop.wait(self.outage.failed("broker", _describe(exc)))
+
+    def _connect(self) -> pika.BlockingConnection:
+        params = pika.URLParameters(self.source.url)
+        params.client_properties = {
+            "connection_name": f"webhook-receiver consume {self.source.name} pid {os.getpid()}"
+        }
+        return pika.BlockingConnection(params)
+
+    def _session(self) -> None:
+        connection = self._connect()
+        try:
+            channel = connection.channel()
+            self._check_queue(channel)
+            channel.basic_qos(prefetch_count=self.source.batch)
+            pending: list[tuple[Any, Any, bytes]] = []
+            self._cancelled = False
+            channel.add_on_cancel_callback(lambda _frame: self._on_cancel())
+            channel.basic_consume(
+                self.source.queue or "",
+                lambda _ch, method, props, body: pending.append((method, props, body)),
+                auto_ack=False,
+            )
+            log.info(
+                "source %s: consuming queue %r on %s",
+                self.source.name,
+                self.source.queue,
+                self.source.safe_url,
+            )
+            self.outage.recovered()
+            self._loop(connection, channel, pending)
+            if self._cancelled:
+                return  # the queue went away: the next session says so
+            channel.close()
+        finally:
+            if connection.is_open:
+                try:
+                    connection.close()
+                except _CONNECTION_ERRORS:
+                    pass
+
+    def _on_cancel(self) -> None:
+        self._cancelled = True
+
+    def _check_queue(self, channel: Any) -> None:
+        try:
+            channel.queue_declare(self.source.queue or "", passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == _NOT_FOUND:
+                raise FatalConsumerError(
+                    f"source {self.source.name}: queue {self.source.queue!r} does not exist on "
+                    f"{self.source.safe_url}; declare it (with its dead-letter exchange) first"
+                ) from exc
+            raise
+
+    def _loop(self, connection: Any, channel: Any, pending: list[tuple[Any, Any, bytes]]) -> None:
+        first_at: float | None = None
+        while not self._cancelled:
+            stopping = self.stop.is_set()
+            if pending and first_at is None:
+                first_at = time.monotonic()
+            full = len(pending) >= self.source.batch
+            waited = first_at is not None and time.monotonic() - first_at >= BATCH_WAIT_SECONDS
+            if pending and (full or waited or stopping):
+                taken = pending[:]
+                pending.clear()
+                first_at = None
+                if not self._flush(connection, channel, taken):
+                    continue
+            if stopping:
+                return  # SIGTERM: the batch in hand is committed and settled
+            if first_at is None:
+                timeout = IDLE_WAIT_SECONDS
+            else:
+                timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
+            connection.process_data_events(time_limit=timeout)
+
+    def _flush(self, connection: Any, channel: Any, taken: list[tuple[Any, Any, bytes]]) -> bool:
+        """Store and settle one batch; False when the database was away (batch requeued)."""
+        deliveries = [self._delivery(method, props, body) for method, props, body in taken]
+        try:
+            verdicts = batch.store(self.source, deliveries)
+        except batch.DatabaseUnavailable as exc:
+            # Nothing committed, so nothing is settled as done: the broker
+            # gets the whole batch back, and the consumer waits before more.
+            channel.basic_nack(delivery_tag=taken[-1][0].delivery_tag, multiple=True, requeue=True)
+            delay = self.outage.failed("database", exc)
+            deadline = time.monotonic() + delay
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                connection.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            return False
+        self.outage.recovered()
+        run_end: int | None = None
+        for (method, _props, _body), verdict in zip(taken, verdicts, strict=True):
+            tag = method.delivery_tag
+            if verdict.action == batch.ACK:
+                run_end = tag
+                continue
+            if run_end is not None:
+                channel.basic_ack(delivery_tag=run_end, multiple=True)
+                run_end = None
+            channel.basic_nack(delivery_tag=tag, multiple=False, requeue=False)
+        if run_end is not None:
+            channel.basic_ack(delivery_tag=run_end, multiple=True)
+        return True
+
+    def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
+        properties = {
+            name: text_of(value)
+            for name in AMQP_PROPERTIES
+            if name not in ("content_type",) and (value := getattr(props, name, None)) is not None
+        }
+        headers = {str(k): text_of(v) for k, v in (props.headers or {}).items()}
+        return Delivery(
+            body=body,
+            content_type=props.content_type,
+            headers=headers,
+            properties=properties,
+            meta={
+                "broker": "rabbitmq",
+                "queue": self.source.queue,
+                "exchange": method.exchange,
+                "routing_key": method.routing_key,
+            },
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
