@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -31,7 +32,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
 
 from ..conftest import CI
-from ..servers import BIN, ROOT, app_env, stop, wait_until
+from ..servers import BIN, ROOT, app_env, free_port, stop, wait_until
 
 RABBIT_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS_URL = os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222")
@@ -168,6 +169,31 @@ class Stream:
 
         return asyncio.run(main())
 
+    def create(self) -> None:
+        """Create the stream and its dead-letter stream."""
+
+        async def go(nc: Any) -> None:
+            js = nc.jetstream()
+            await js.add_stream(StreamConfig(name=self.name, subjects=[f"{self.prefix}.>"]))
+            await js.add_stream(
+                StreamConfig(name=self.name + "_DEAD", subjects=[self.dead_subject])
+            )
+
+        self.run(go)
+
+    def delete(self) -> None:
+        """Delete both streams."""
+
+        async def go(nc: Any) -> None:
+            js = nc.jetstream()
+            for name in (self.name, self.name + "_DEAD"):
+                try:
+                    await js.delete_stream(name)
+                except Exception:
+                    pass
+
+        self.run(go)
+
     def publish(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
         """Publish (subject suffix, body, headers) to the stream, each waiting for its PubAck."""
 
@@ -209,26 +235,72 @@ def jetstream(nats_url: str) -> Iterator[Stream]:
     """A fresh stream (and a dead-letter stream), deleted afterwards."""
     tag = uuid.uuid4().hex[:10]
     stream = Stream(nats_url, f"WRTEST_{tag}", f"wrtest-{tag}")
+    stream.create()
+    yield stream
+    stream.delete()
 
-    async def create(nc: Any) -> None:
-        js = nc.jetstream()
-        await js.add_stream(StreamConfig(name=stream.name, subjects=[f"{stream.prefix}.>"]))
-        await js.add_stream(
-            StreamConfig(name=stream.name + "_DEAD", subjects=[stream.dead_subject])
+
+@dataclass
+class PrivateNats:
+    """A nats-server of a test's own (JetStream on, its own store), to stop and start at will."""
+
+    store: Path
+    port: int
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
-    stream.run(create)
-    yield stream
+        async def ping() -> None:
+            nc = await nats.connect(self.url, connect_timeout=1, max_reconnect_attempts=0)
+            await nc.jetstream().account_info()
+            await nc.close()
 
-    async def delete(nc: Any) -> None:
-        js = nc.jetstream()
-        for name in (stream.name, stream.name + "_DEAD"):
+        def up() -> bool:
             try:
-                await js.delete_stream(name)
+                asyncio.run(ping())
+                return True
             except Exception:
-                pass
+                return False
 
-    stream.run(delete)
+        assert wait_until(up, 30), "the private nats-server did not start"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+            self.process = None
+
+    def restart(self) -> None:
+        """Stop the server (its clients are cut off) and start it again on the same store."""
+        self.stop()
+        self.start()
+
+
+NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+
+
+@contextmanager
+def private_nats(tmp_path: Path) -> Iterator[PrivateNats]:
+    """A private nats-server on a free port, stopped when the block ends."""
+    if not os.path.exists(NATS_SERVER):
+        if CI:
+            pytest.fail("nats-server not found: CI must run the NATS restart test")
+        pytest.skip("nats-server not found")
+    server = PrivateNats(tmp_path / "nats-store", free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def nats_source(stream: Stream, **extra: Any) -> dict[str, Any]:

@@ -93,3 +93,55 @@ def test_key_from_a_header_or_the_body(make_app, amqp_queue, spec):
         assert wait_until(lambda: duplicate_total(app) == 1, 30)
     assert stored_keys(app) == ["e-1"]
     assert amqp_queue.ready() == 0
+
+
+def test_missing_queue_stops_consume_with_a_clear_message(make_app, rabbit_url):
+    app = make_app(
+        {"sources": {SOURCE: {"provider": "rabbitmq", "url": rabbit_url, "queue": "wr-absent-q"}}}
+    )
+    result = app.test_cli_runner().invoke(args=["consume"])
+    assert result.exit_code == 1
+    assert "queue 'wr-absent-q' does not exist" in result.output
+    assert "guest:guest" not in result.output
+
+
+def test_broker_source_has_no_webhook_endpoint(make_app, amqp_queue):
+    app = _app(make_app, amqp_queue)
+    response = app.test_client().post(f"/webhooks/{SOURCE}", data=b"{}")
+    assert response.status_code == 404
+    assert response.content_type == "application/problem+json"
+    assert count_events(app) == 0
+
+
+def test_broker_source_handler_writes_commit_with_its_delivery(make_app, amqp_queue):
+    from sqlalchemy import select
+
+    from webhook_receiver.extensions import db
+    from webhook_receiver.processing.worker import Worker
+
+    from ..processing import handlers
+
+    handlers.reset()
+    app = make_app(
+        {"sources": {"shop": rabbit_source(amqp_queue)}, "handlers": ["tests.processing.handlers"]},
+        WORKER_POLL_SECONDS=0.01,
+        WORKER_BACKOFF_BASE_SECONDS=0,
+    )
+    with app.app_context():
+        handlers.ledger.create(db.engine, checkfirst=True)
+    try:
+        body, props = _message(1, type="order.paid")
+        amqp_queue.publish([(body, props), (body, props)])
+        with consuming(app, "shop"):
+            assert wait_until(lambda: duplicate_total(app) == 1, 30)
+        # The first audit attempt writes, then fails: its write goes with its rollback.
+        handlers.failures["audit"] = 1
+        assert Worker(app).run(drain=True, handle_signals=False) == 3
+        with app.app_context():
+            rows = db.session.execute(select(handlers.ledger.c.consumer)).scalars().all()
+            db.session.rollback()
+        assert sorted(rows) == ["audit", "ledger"]
+    finally:
+        with app.app_context():
+            handlers.ledger.drop(db.engine, checkfirst=True)
+        handlers.reset()
