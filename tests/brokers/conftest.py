@@ -32,6 +32,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
 
 from ..conftest import CI
+from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
 from ..servers import BIN, ROOT, app_env, free_port, stop, wait_until
 
 RABBIT_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")

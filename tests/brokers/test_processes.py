@@ -5,7 +5,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -325,3 +327,112 @@ def _publish_through_restarts(stream: Any, messages: list[Any]) -> None:
                 time.sleep(0.2)
         else:
             raise AssertionError("could not publish through the restart")
+
+
+def _outage_setup(broker: str, request: Any) -> tuple[dict[str, Any], Any, Any, Any, str]:
+    """The source, publisher, the broker's unsettled count and a drained check."""
+    if broker == "rabbitmq":
+        queue = request.getfixturevalue("amqp_queue")
+
+        def held() -> int:  # ready, plus at most a prefetch the consumer holds unacked
+            return queue.ready() + 50
+
+        return (
+            {"feed": rabbit_source(queue, prefetch=50)},
+            lambda ns: queue.publish([amqp_message(n) for n in ns]),
+            held,
+            lambda: queue.ready() == 0,
+            "m-",
+        )
+    stream = request.getfixturevalue("jetstream")
+
+    def unsettled() -> int:
+        pending, ack_pending = stream.pending()
+        return pending + ack_pending
+
+    return (
+        {"feed": nats_source(stream, batch=50)},
+        lambda ns: stream.publish([nats_message(n) for n in ns]),
+        unsettled,
+        lambda: stream.pending() == (0, 0),
+        "p-",
+    )
+
+
+def _count(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(f"SELECT count(*) FROM {Event.__tablename__}")).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def _keys(url: str) -> Counter[str]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return Counter(
+                conn.execute(text(f"SELECT dedup_key FROM {Event.__tablename__}")).scalars()
+            )
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq", "nats"])
+def test_postgresql_stopped_mid_stream_nothing_acked_until_committed(
+    stoppable_postgres, tmp_path, broker, request
+):
+    pg = stoppable_postgres
+    sources, publish, unsettled, drained, prefix = _outage_setup(broker, request)
+    process, log = start_consume(pg.url, toml(sources), tmp_path)
+    try:
+        publish(range(500))
+        assert wait_until(lambda: _count(pg.url) == 500 and drained(), 60), _log(log)
+        pg.stop("immediate")
+        publish(range(500, 1000))
+        assert wait_until(lambda: "database unavailable" in log.read_text(), 30), _log(log)
+        time.sleep(2)
+        assert process.poll() is None  # a transient error never ends the consumer
+        assert unsettled() >= 500  # nothing acked that was not committed
+        pg.start()
+        assert wait_until(lambda: _count(pg.url) == 1000 and drained(), 90), _log(log)
+    finally:
+        code = _terminate(process, log)
+    assert code == 0
+    assert log.read_text().count("database unavailable") == 1  # logged once per outage
+    keys = _keys(pg.url)
+    assert set(keys) == {f"{prefix}{n}" for n in range(1000)} and max(keys.values()) == 1
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq", "nats"])
+def test_sqlite_write_locked_mid_stream_nothing_acked_until_committed(
+    _sqlite_template, tmp_path, broker, request
+):
+    path = tmp_path / "locked.sqlite3"
+    shutil.copyfile(_sqlite_template, path)
+    url = f"sqlite:///{path}"
+    sources, publish, unsettled, drained, prefix = _outage_setup(broker, request)
+    process, log = start_consume(url, toml(sources), tmp_path)
+    try:
+        publish(range(500))
+        assert wait_until(lambda: _count(url) == 500 and drained(), 60), _log(log)
+        # Another process (a backup, a migration, a stuck script) holds the write lock.
+        holder = sqlite3.connect(path, isolation_level=None, timeout=30)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            publish(range(500, 1000))
+            assert wait_until(lambda: "database unavailable" in log.read_text(), 30), _log(log)
+            time.sleep(2)
+            assert process.poll() is None
+            assert _count(url) == 500  # readers go on in WAL mode: nothing committed
+            assert unsettled() >= 500  # and nothing acked
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert wait_until(lambda: _count(url) == 1000 and drained(), 90), _log(log)
+    finally:
+        code = _terminate(process, log)
+    assert code == 0
+    keys = _keys(url)
+    assert set(keys) == {f"{prefix}{n}" for n in range(1000)} and max(keys.values()) == 1
