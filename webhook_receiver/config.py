@@ -420,7 +420,7 @@ def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
         unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
         if unknown:
             raise ConfigError(
-                f"{here} unknown key(s) for a {scheme}:// forward: {', '.join(sorted(unknown))}"
+                f"{here} unknown key(s): {', '.join(sorted(unknown))} (in a {scheme}:// forward)"
             )
         transport = _forward_transport(table, scheme, here)
         timeout = table.get("timeout_seconds", 10)

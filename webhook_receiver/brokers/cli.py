@@ -24,6 +24,8 @@ def consume_command(sources: tuple[str, ...]) -> None:
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     logging.getLogger("webhook_receiver.brokers").setLevel(logging.INFO)
+    # pika narrates every connection step at INFO; its warnings still show.
+    logging.getLogger("pika").setLevel(logging.WARNING)
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
         chosen = runner.sources_to_consume(app.config["FILE_CONFIG"], sources)
