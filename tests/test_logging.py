@@ -73,7 +73,7 @@ def test_a_receipt_logs_one_json_line_with_its_fields(app, client, captured):
         "outcome": "accepted",
         "correlation_id": "r-1",
     }
-    assert accepted["level"] == "INFO" and accepted["logger"] == "webhook_receiver.webhooks.receipt"
+    assert accepted["level"] == "INFO" and accepted["logger"] == "webhook_receiver.inbox.store"
     assert accepted["time"].endswith("+00:00")
     # Without an id of the caller's, one is made up, returned and logged.
     assert duplicate["outcome"] == "duplicate"
@@ -139,7 +139,7 @@ def test_text_format_shows_the_fields(app, client):
     finally:
         logger.handlers[:], logger.level, logger.propagate = saved
     output = buffer.getvalue()
-    assert "INFO webhook_receiver.webhooks.receipt: delivery accepted" in output
+    assert "INFO webhook_receiver.inbox.store: delivery accepted" in output
     assert "source='stripe-live' dedup_key='evt_log'" in output
     assert "correlation_id='t-1'" in output
 

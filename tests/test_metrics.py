@@ -123,7 +123,7 @@ def test_delivery_metrics_for_the_worker(app):
 
 def test_worker_attempts_are_counted_through_the_outcome_hooks(app):
     from webhook_receiver.processing import registry
-    from webhook_receiver.processing.worker import AttemptOutcome
+    from webhook_receiver.processing.outcomes import AttemptOutcome
 
     def attempt(outcome: str, n: int) -> AttemptOutcome:
         return AttemptOutcome(

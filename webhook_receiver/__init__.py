@@ -95,9 +95,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     processing.init_app(app)
     inbox.init_app(app, processing.routes(app))
 
-    from . import brokers
+    from .brokers.cli import consume_command
+    from .processing.cli import worker_command
 
-    brokers.init_app(app)
+    app.cli.add_command(worker_command)
+    app.cli.add_command(consume_command)
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
     return app

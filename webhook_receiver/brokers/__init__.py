@@ -9,12 +9,3 @@ docs/brokers.md.
 """
 
 from __future__ import annotations
-
-from flask import Flask
-
-
-def init_app(app: Flask) -> None:
-    """Register the ``consume`` command."""
-    from .cli import consume_command
-
-    app.cli.add_command(consume_command)

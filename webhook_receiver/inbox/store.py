@@ -171,7 +171,7 @@ def add(message: Message) -> int | None:
         rows = _delivery_rows(event_id, _routes()(message.source, message.event_type), now)
         if rows:
             conn.execute(statements.insert_deliveries, rows)
-        _log("accepted", message, event_id)
+    # Not logged here: the caller's unit of work may still roll back; it logs its outcome.
     return event_id
 
 

@@ -18,12 +18,10 @@ __all__ = ["PermanentFailure", "handler", "init_app", "routes"]
 
 
 def init_app(app: Flask) -> None:
-    """Build the app's consumer registry and register the ``worker`` command."""
+    """Build the app's consumer registry."""
     from . import registry
-    from .cli import worker_command
 
     registry.init_app(app)
-    app.cli.add_command(worker_command)
 
 
 def routes(app: Flask) -> Callable[[str, str | None], list[tuple[str, str]]]:

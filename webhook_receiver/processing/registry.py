@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from flask import Flask, current_app
 
 from ..config import ConfigError, FileConfig, ForwardConfig, OrderingConfig
 from . import handlers as handlers_mod
 from .handlers import HandlerSpec
-
-if TYPE_CHECKING:
-    from .worker import AttemptOutcome
+from .outcomes import AttemptOutcome
 
 EXTENSION = "webhook_processing"
 HANDLER = "handler"

@@ -1,0 +1,191 @@
+"""Layers import only downward, and no module imports another in a cycle.
+
+The layers, top to bottom (docs/architecture.md says what each owns):
+
+5. the app factory, which wires everything;
+4. the surfaces: HTTP blueprints, CLI commands, broker consumers, and the
+   HTTP edge (problems, sessions);
+3. the domain services: providers, processing (worker, forwards, handlers),
+   retention, observability;
+2. the inbox and data access: every write of a received message, the
+   idempotency, delivery and ordering records, event reads;
+1. the foundation: engine and transactions, models, config, fingerprints,
+   correlation ids.
+
+A module may import its own layer or lower ones. Every module of the package
+must be placed here, so a new one is placed on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "webhook_receiver"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+# Longest prefix wins.
+LAYERS: dict[str, int] = {
+    "webhook_receiver": 5,
+    "webhook_receiver.api": 4,
+    "webhook_receiver.webhooks": 4,
+    "webhook_receiver.admin": 4,
+    "webhook_receiver.brokers": 4,
+    "webhook_receiver.health": 4,
+    "webhook_receiver.openapi": 4,
+    "webhook_receiver.problems": 4,
+    "webhook_receiver.sessions": 4,
+    "webhook_receiver.idempotency": 4,
+    "webhook_receiver.idempotency.keys": 4,
+    "webhook_receiver.processing.cli": 4,
+    "webhook_receiver.observability": 4,
+    "webhook_receiver.observability.metrics": 4,
+    "webhook_receiver.observability.logging": 3,
+    "webhook_receiver.webhooks.providers": 3,
+    "webhook_receiver.processing": 3,
+    "webhook_receiver.retention": 3,
+    "webhook_receiver.inbox": 2,
+    "webhook_receiver.idempotency.records": 2,
+    "webhook_receiver.processing.deliveries": 2,
+    "webhook_receiver.processing.ordering": 2,
+    "webhook_receiver.events": 2,
+    "webhook_receiver.rejections": 2,
+    "webhook_receiver.database": 1,
+    "webhook_receiver.models": 1,
+    "webhook_receiver.extensions": 1,
+    "webhook_receiver.config": 1,
+    "webhook_receiver.fingerprint": 1,
+    "webhook_receiver.correlation": 1,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int:
+    name = module
+    while name:
+        if name in LAYERS:
+            return LAYERS[name]
+        name = name.rpartition(".")[0]
+    raise KeyError(module)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for each import of the package's own modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    known = _modules()
+    found = []
+    top_level = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            names = [f"{target}.{alias.name}" for alias in node.names]
+            targets = [n for n in names if n in known] or [target]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.startswith(PACKAGE):
+                found.append((target, node.lineno, id(node) in top_level))
+    return found
+
+
+def _type_checking_only(path: Path) -> set[int]:
+    tree = ast.parse(path.read_text())
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom | ast.Import):
+                    lines.add(inner.lineno)
+    return lines
+
+
+def test_every_module_has_a_layer():
+    unplaced = []
+    for module in _modules():
+        try:
+            _layer(module)
+        except KeyError:
+            unplaced.append(module)
+    assert not unplaced, f"place these modules in LAYERS: {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = []
+    for module, path in _modules().items():
+        for target, line, _ in _imports(module, path):
+            if _layer(target) > _layer(module):
+                upward.append(
+                    f"{path.relative_to(ROOT.parent)}:{line} {module} (layer {_layer(module)}) "
+                    f"imports {target} (layer {_layer(target)})"
+                )
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        typing_only = _type_checking_only(path)
+        graph[module] = {
+            target for target, line, _ in _imports(module, path) if line not in typing_only
+        } - {module}
+    # A package's __init__ re-exporting its own modules is not a cycle with them.
+    for module in graph:
+        graph[module] = {
+            t for t in graph[module] if not (module.startswith(t + ".") and t in graph)
+        }
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt in graph and not state.get(nxt):
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if not state.get(module):
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_import_below_the_top_of_a_module():
+    late = []
+    for path in _modules().values():
+        tree = ast.parse(path.read_text())
+        seen_code = False
+        for node in tree.body:
+            is_import = isinstance(node, ast.Import | ast.ImportFrom)
+            is_docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            if is_import and seen_code:
+                late.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+            elif not is_import and not is_docstring and not isinstance(node, ast.If):
+                seen_code = True
+    assert not late, late
+
+
+@pytest.mark.parametrize("layer", sorted(set(LAYERS.values())))
+def test_each_layer_has_a_module(layer):
+    assert any(_layer(m) == layer for m in _modules())

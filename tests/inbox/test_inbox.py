@@ -1,0 +1,308 @@
+"""The inbox: fast paths against the plain Core path, atomicity, batches, races.
+
+Every test runs on SQLite and PostgreSQL (the ``make_app`` fixture's
+database). The failure injected into the outbox insert is a real trigger on
+the deliveries table, so the statement fails inside the database, where a
+crash between the two writes would.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
+
+from webhook_receiver import inbox
+from webhook_receiver.extensions import db
+from webhook_receiver.inbox import statements
+from webhook_receiver.inbox.driver import DriverStatement, FastPathError
+from webhook_receiver.models import Delivery, Event, EventConflict
+
+from ..conftest import CLIENTS
+from ..webhooks.signing import hmac_hex
+
+WHEN = datetime(2026, 12, 3, 8, 30, 15, 123456, tzinfo=UTC)
+
+
+def _config(*, forwards: bool) -> dict[str, Any]:
+    shop: dict[str, Any] = {
+        "provider": "generic",
+        "secrets": ["shop-secret-0123456789"],
+        "signature_header": "X-Signature",
+    }
+    if forwards:
+        shop["forward"] = [
+            {"name": "billing", "url": "http://127.0.0.1:9/billing"},
+            {"name": "audit", "url": "http://127.0.0.1:9/audit"},
+        ]
+    return {"clients": CLIENTS, "sources": {"shop": shop}}
+
+
+def message(key: str, **fields: Any) -> inbox.Message:
+    """A message of source ``shop`` with every column type filled, unless told otherwise."""
+    values: dict[str, Any] = {
+        "source": "shop",
+        "dedup_key": key,
+        "fingerprint": "a" * 64,
+        # Not UTF-8, with a NUL: bytes must come back as they went in.
+        "body": b"\xff\x00binary\x80",
+        "event_type": "order.paid",
+        "content_type": "application/octet-stream",
+        "headers": (("X-Trace", "t-1"), ("X-Signature", "[redacted]"), ("Accept", "é")),
+        "meta": {"nested": {"list": [1, 2.5, None, True, "ü"]}, "empty": {}},
+        "correlation_id": "corr-1",
+        "client": None,
+        "received_at": WHEN,
+    }
+    values.update(fields)
+    return inbox.Message(**values)
+
+
+def _event_row(event_id: int) -> dict[str, Any]:
+    row = db.session.get(Event, event_id)
+    assert row is not None
+    return {c.name: getattr(row, c.name) for c in Event.__table__.columns}
+
+
+def _delivery_rows(event_id: int) -> list[dict[str, Any]]:
+    rows = db.session.scalars(
+        select(Delivery).where(Delivery.event_id == event_id).order_by(Delivery.consumer)
+    ).all()
+    return [{c.name: getattr(r, c.name) for c in Delivery.__table__.columns} for r in rows]
+
+
+def _count(model: Any) -> int:
+    db.session.rollback()  # a fresh snapshot: what is committed now
+    return db.session.scalar(select(func.count()).select_from(model)) or 0
+
+
+@pytest.mark.parametrize("forwards", [False, True], ids=["alone", "with-deliveries"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"event_type": None, "content_type": None, "correlation_id": None, "meta": {}},
+        {"headers": (), "body": b"", "client": "acme", "received_at": WHEN + timedelta(days=400)},
+    ],
+    ids=["every-column", "nulls", "empty"],
+)
+def test_the_fast_path_stores_what_the_core_path_stores(make_app, forwards, fields):
+    app = make_app(_config(forwards=forwards))
+    with app.app_context():
+        fast = inbox.receive(message("fast", **fields))
+        core = inbox.receive(message("core", **fields), fast=False)
+        assert isinstance(fast, inbox.Accepted) and isinstance(core, inbox.Accepted)
+        db.session.expire_all()
+        fast_row, core_row = _event_row(fast.event_id), _event_row(core.event_id)
+        for row in (fast_row, core_row):
+            del row["id"], row["dedup_key"]
+        assert fast_row == core_row
+        # And both equal what was sent, read back through the ORM.
+        sent = message("x", **fields)
+        assert core_row["body"] == sent.body
+        assert core_row["headers"] == [list(pair) for pair in sent.headers]
+        assert core_row["meta"] == dict(sent.meta)
+        assert core_row["received_at"] == sent.received_at
+        assert core_row["received_at"].tzinfo is not None
+        fast_deliveries = _delivery_rows(fast.event_id)
+        core_deliveries = _delivery_rows(core.event_id)
+        assert len(fast_deliveries) == (2 if forwards else 0)
+        for rows in (fast_deliveries, core_deliveries):
+            for row in rows:
+                del row["id"], row["event_id"]
+        assert fast_deliveries == core_deliveries
+
+
+def test_fast_and_core_paths_agree_on_duplicates_and_conflicts(make_app):
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        first = inbox.receive(message("k"))
+        assert isinstance(first, inbox.Accepted)
+        for fast in (True, False):
+            assert inbox.receive(message("k"), fast=fast) == inbox.Duplicate(first.event_id)
+            other = message("k", fingerprint="b" * 64, body=b"other")
+            assert inbox.receive(other, fast=fast) == inbox.Conflict(first.event_id)
+        kept = db.session.scalars(select(EventConflict)).all()
+        # One record per distinct content; the repeat only counts.
+        assert [(c.event_id, c.body, c.seen_count) for c in kept] == [(first.event_id, b"other", 2)]
+        assert _count(Event) == 1
+        assert _count(Delivery) == 2
+
+
+def test_a_statement_needing_sqlalchemys_execution_is_refused_clearly(make_app):
+    app = make_app()
+    with app.app_context():
+        dialect = db.engine.dialect
+        expanding = select(Event.id).where(Event.id.in_([1, 2]))
+        with pytest.raises(FastPathError, match="expanding IN"):
+            DriverStatement(expanding, dialect)
+
+
+def test_statements_are_built_per_engine(make_app, tmp_path):
+    app = make_app()
+    other = make_app(SQLALCHEMY_DATABASE_URI=f"sqlite:///{tmp_path / 'other.sqlite3'}")
+    with app.app_context():
+        mine = statements.for_engine(db.engine)
+        assert statements.for_engine(db.engine) is mine
+    with other.app_context():
+        theirs = statements.for_engine(db.engine)
+        assert theirs.dialect_name == "sqlite"
+    assert theirs is not mine
+
+
+def _fail_outbox_inserts() -> None:
+    """Make every INSERT into deliveries fail inside the database."""
+    if db.engine.dialect.name == "sqlite":
+        ddl = [
+            "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
+            "BEGIN SELECT RAISE(ABORT, 'injected outbox failure'); END"
+        ]
+    else:
+        ddl = [
+            "CREATE FUNCTION fail_outbox() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'injected outbox failure'; END $$",
+            "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
+            "FOR EACH ROW EXECUTE FUNCTION fail_outbox()",
+        ]
+    with db.engine.begin() as conn:
+        for statement in ddl:
+            conn.execute(text(statement))
+
+
+def _drop_failure() -> None:
+    with db.engine.begin() as conn:
+        conn.execute(text("DROP TRIGGER fail_outbox" + ("" if _sqlite() else " ON deliveries")))
+        if not _sqlite():
+            conn.execute(text("DROP FUNCTION fail_outbox()"))
+
+
+def _sqlite() -> bool:
+    return db.engine.dialect.name == "sqlite"
+
+
+@pytest.mark.parametrize("path", ["fast", "core", "batch"])
+def test_a_failed_outbox_insert_leaves_no_event_behind(make_app, path):
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        _fail_outbox_inserts()
+        try:
+            with pytest.raises(DBAPIError, match="injected outbox failure"):
+                if path == "batch":
+                    inbox.receive_many([message("k1"), message("k2")])
+                else:
+                    inbox.receive(message("k1"), fast=path == "fast")
+            assert _count(Event) == 0
+            assert _count(Delivery) == 0
+        finally:
+            _drop_failure()
+        # The retry after the failure stores the event with its deliveries.
+        assert isinstance(inbox.receive(message("k1")), inbox.Accepted)
+        assert (_count(Event), _count(Delivery)) == (1, 2)
+
+
+def test_the_webhook_receipt_stores_nothing_when_its_outbox_insert_fails(make_app):
+    app = make_app(_config(forwards=True))
+    client = app.test_client()
+    body = b'{"id": "evt-1"}'
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": "evt-1",
+        "X-Signature": hmac_hex(body, "shop-secret-0123456789"),
+    }
+    with app.app_context():
+        _fail_outbox_inserts()
+    try:
+        response = client.post("/webhooks/shop", data=body, headers=headers)
+        assert response.status_code >= 500
+        with app.app_context():
+            assert _count(Event) == 0
+    finally:
+        with app.app_context():
+            _drop_failure()
+    response = client.post("/webhooks/shop", data=body, headers=headers)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    with app.app_context():
+        assert (_count(Event), _count(Delivery)) == (1, 2)
+
+
+def test_a_batch_settles_each_message_in_one_transaction(make_app):
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        stored = inbox.receive(message("stored"))
+        assert isinstance(stored, inbox.Accepted)
+        batch = [
+            message("new-1"),
+            message("stored"),  # a duplicate of a stored event
+            message("new-2"),
+            message("new-1"),  # a duplicate inside the batch
+            message("stored", fingerprint="c" * 64, body=b"changed"),  # a conflict
+            message("new-2", fingerprint="d" * 64, body=b"changed"),  # conflict in the batch
+        ]
+        outcomes = inbox.receive_many(batch)
+        new_1, new_2 = outcomes[0], outcomes[2]
+        assert isinstance(new_1, inbox.Accepted) and isinstance(new_2, inbox.Accepted)
+        assert outcomes == [
+            new_1,
+            inbox.Duplicate(stored.event_id),
+            new_2,
+            inbox.Duplicate(new_1.event_id),
+            inbox.Conflict(stored.event_id),
+            inbox.Conflict(new_2.event_id),
+        ]
+        db.session.expire_all()
+        assert _count(Event) == 3
+        assert _count(Delivery) == 6
+        kept = {(c.event_id, c.body) for c in db.session.scalars(select(EventConflict))}
+        assert kept == {(stored.event_id, b"changed"), (new_2.event_id, b"changed")}
+        # The redeliveries are counted (written at once under the tests' settings).
+        counts = dict(db.session.execute(select(Event.id, Event.duplicate_count)).all())
+        assert counts[stored.event_id] == 1
+        assert counts[new_1.event_id] == 1
+        assert inbox.receive_many([]) == []
+
+
+def test_a_batch_and_a_single_receipt_racing_for_one_key_store_one_event(make_app):
+    app = make_app(_config(forwards=True))
+    rounds = 25
+    results: dict[str, list[Any]] = {"single": [], "batch": []}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def single() -> None:
+        try:
+            with app.app_context():
+                for n in range(rounds):
+                    start.wait()
+                    results["single"].append(inbox.receive(message(f"race-{n}")))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            start.abort()
+
+    def batch() -> None:
+        try:
+            with app.app_context():
+                for n in range(rounds):
+                    start.wait()
+                    batch = [message(f"other-{n}-{i}") for i in range(5)] + [message(f"race-{n}")]
+                    results["batch"].append(inbox.receive_many(batch)[-1])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=single), threading.Thread(target=batch)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    with app.app_context():
+        assert _count(Event) == rounds * 6
+        assert _count(Delivery) == rounds * 6 * 2
+    for n in range(rounds):
+        pair = {type(results["single"][n]), type(results["batch"][n])}
+        assert pair == {inbox.Accepted, inbox.Duplicate}
+        assert results["single"][n].event_id == results["batch"][n].event_id
