@@ -30,7 +30,9 @@ run: $(VENV)/.installed instance/config.toml instance/secret_key
 	mkdir -p instance/metrics
 	export SECRET_KEY=$$(cat instance/secret_key) PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics; \
 	$(VENV)/bin/flask --app wsgi worker & worker=$$!; \
-	trap 'kill $$worker 2>/dev/null; wait $$worker' EXIT; \
+	consumer=; if [ -n "$$($(VENV)/bin/flask --app wsgi consume --list)" ]; then \
+		$(VENV)/bin/flask --app wsgi consume & consumer=$$!; fi; \
+	trap 'kill $$worker $$consumer 2>/dev/null; wait $$worker $$consumer' EXIT; \
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app
 
 test: $(VENV)/.installed

@@ -133,3 +133,10 @@ def test_consume_without_broker_sources_or_with_an_unknown_one_says_so(make_app)
     result = bare.test_cli_runner().invoke(args=["consume"])
     assert result.exit_code == 1
     assert "no broker source" in result.output
+
+
+def test_consume_list_prints_the_broker_sources(make_app):
+    app = make_app({"sources": {"o": {"provider": "rabbitmq", "url": URL, "queue": "q"}}})
+    result = app.test_cli_runner().invoke(args=["consume", "--list"])
+    assert (result.exit_code, result.output) == (0, "o\n")
+    assert make_app({}).test_cli_runner().invoke(args=["consume", "--list"]).output == ""

@@ -15,9 +15,14 @@ from . import runner
 
 @click.command("consume")
 @click.argument("sources", nargs=-1)
+@click.option("--list", "list_only", is_flag=True, help="Print the broker sources' names and exit.")
 @with_appcontext
-def consume_command(sources: tuple[str, ...]) -> None:
+def consume_command(sources: tuple[str, ...], list_only: bool) -> None:
     """Consume the named broker sources (all of them by default) into the inbox."""
+    if list_only:
+        for name in current_app.config["FILE_CONFIG"].brokers:
+            click.echo(name)
+        return
     if not logging.getLogger().handlers:
         # As the worker command does: plain lines when nothing configured logging.
         logging.basicConfig(
