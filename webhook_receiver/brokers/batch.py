@@ -11,6 +11,7 @@ and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,13 +101,12 @@ def _verdict(outcome: Outcome | Verdict) -> Verdict:
 
 
 def _count(source: str, verdicts: list[Verdict]) -> None:
+    # Counted per batch: one increment per counter rather than one per message.
+    kinds = Counter(type(v.outcome) for v in verdicts)
+    metrics.received(source, kinds[Accepted])
+    metrics.duplicate(source, kinds[Duplicate])
+    metrics.conflict(source, kinds[Conflict])
     for verdict in verdicts:
-        if isinstance(verdict.outcome, Accepted):
-            metrics.received(source)
-        elif isinstance(verdict.outcome, Duplicate):
-            metrics.duplicate(source)
-        elif isinstance(verdict.outcome, Conflict):
-            metrics.conflict(source)
         if verdict.action == DEAD_LETTER:
             metrics.broker_dead_letter(source, verdict.reason or "unknown")
             if verdict.reason != CONFLICT:  # the inbox logged the conflict already

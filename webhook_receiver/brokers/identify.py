@@ -9,6 +9,7 @@ redelivery is recognised as the same message.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,8 +67,8 @@ _CONTENT_TYPE_LENGTH = _length("content_type")
 
 def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
     """Build the inbox Message of ``delivery``, or raise Unidentified."""
-    key_spec = parse_broker_spec(source.dedup_key, source.provider, "dedup_key")
-    type_spec = parse_broker_spec(source.event_type, source.provider, "event_type")
+    key_spec = _spec(source.dedup_key, source.provider, "dedup_key")
+    type_spec = _spec(source.event_type, source.provider, "event_type")
     needs_json = "json" in (key_spec[0], type_spec[0])
     parsed: Any = None
     if needs_json or is_json_type(delivery.content_type):
@@ -97,6 +98,12 @@ def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
         meta=_clean_meta(delivery),
         correlation_id=_correlation_id(delivery),
     )
+
+
+@functools.cache
+def _spec(spec: str, provider: str, key: str) -> tuple[str, str]:
+    # Validated with the config; parsed once per source rather than per message.
+    return parse_broker_spec(spec, provider, key)
 
 
 def _read(spec: tuple[str, str], delivery: Delivery, parsed: Any) -> str | None:
@@ -158,7 +165,10 @@ def _clean_meta(delivery: Delivery) -> dict[str, Any]:
     meta = dict(delivery.meta)
     if delivery.properties:
         meta["properties"] = dict(delivery.properties)
-    return cast(dict[str, Any], json.loads(_clean(json.dumps(meta, default=str))))
+    text = json.dumps(meta, default=str)
+    if "\\u0000" not in text:
+        return meta
+    return cast(dict[str, Any], json.loads(text.replace("\\u0000", "\\ufffd")))
 
 
 def text_of(value: Any) -> str:

@@ -103,25 +103,25 @@ def _metrics() -> Metrics | None:
     return current_app.extensions.get(EXTENSION)
 
 
-def received(source: str) -> None:
-    """Count an event stored for the first time."""
+def received(source: str, count: int = 1) -> None:
+    """Count an event stored for the first time (``count`` of them, for a batch)."""
     m = _metrics()
-    if m is not None:
-        m.received.labels(source).inc()
+    if m is not None and count:
+        m.received.labels(source).inc(count)
 
 
-def duplicate(source: str) -> None:
-    """Count a redelivery of a stored event."""
+def duplicate(source: str, count: int = 1) -> None:
+    """Count a redelivery of a stored event (``count`` of them, for a batch)."""
     m = _metrics()
-    if m is not None:
-        m.duplicates.labels(source).inc()
+    if m is not None and count:
+        m.duplicates.labels(source).inc(count)
 
 
-def conflict(source: str) -> None:
-    """Count a key reused with different content."""
+def conflict(source: str, count: int = 1) -> None:
+    """Count a key reused with different content (``count`` of them, for a batch)."""
     m = _metrics()
-    if m is not None:
-        m.conflicts.labels(source).inc()
+    if m is not None and count:
+        m.conflicts.labels(source).inc(count)
 
 
 def signature_failure(source: str, reason: str) -> None:
