@@ -334,8 +334,8 @@ def _outage_setup(broker: str, request: Any) -> tuple[dict[str, Any], Any, Any, 
     if broker == "rabbitmq":
         queue = request.getfixturevalue("amqp_queue")
 
-        def held() -> int:  # ready, plus at most a prefetch the consumer holds unacked
-            return queue.ready() + 50
+        def held() -> int:  # ready, plus at most the two batches the consumer holds unacked
+            return queue.ready() + 2 * 50
 
         return (
             {"feed": rabbit_source(queue, prefetch=50)},

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pika
@@ -57,17 +58,13 @@ class RabbitConsumer:
 
     def run(self) -> None:
         """Consume until stopped; reconnect and back off through outages."""
-        with self.app.app_context():
-            while not self.stop.is_set():
-                try:
-                    self._session()
-                except FatalConsumerError:
-                    raise
-                except batch.DatabaseUnavailable as exc:
-                    # Raised only where the batch could not be requeued itself.
-                    self.stop.wait(self.outage.failed("database", exc))
-                except _CONNECTION_ERRORS as exc:
-                    self.stop.wait(self.outage.failed("broker", _describe(exc)))
+        while not self.stop.is_set():
+            try:
+                self._session()
+            except FatalConsumerError:
+                raise
+            except _CONNECTION_ERRORS as exc:
+                self.stop.wait(self.outage.failed("broker", _describe(exc)))
 
     def _connect(self) -> pika.BlockingConnection:
         params = pika.URLParameters(self.source.url)
@@ -81,7 +78,8 @@ class RabbitConsumer:
         try:
             channel = connection.channel()
             self._check_queue(channel)
-            channel.basic_qos(prefetch_count=self.source.batch)
+            # Room for the batch being stored and the next one arriving.
+            channel.basic_qos(prefetch_count=min(2 * self.source.batch, 65535))
             pending: list[tuple[Any, Any, bytes]] = []
             self._cancelled = False
             channel.add_on_cancel_callback(lambda _frame: self._on_cancel())
@@ -123,36 +121,64 @@ class RabbitConsumer:
             raise
 
     def _loop(self, connection: Any, channel: Any, pending: list[tuple[Any, Any, bytes]]) -> None:
+        # One batch is stored in a second thread while the next one arrives
+        # (the QoS allows two batches out); batches are settled one at a
+        # time, in order, on this thread, which owns the channel. So an ack
+        # with multiple=True never reaches a message of a later batch.
         first_at: float | None = None
-        while not self._cancelled:
-            stopping = self.stop.is_set()
-            if pending and first_at is None:
-                first_at = time.monotonic()
-            full = len(pending) >= self.source.batch
-            waited = first_at is not None and time.monotonic() - first_at >= BATCH_WAIT_SECONDS
-            if pending and (full or waited or stopping):
-                taken = pending[:]
-                pending.clear()
-                first_at = None
-                if not self._flush(connection, channel, taken):
+        inflight: tuple[list[tuple[Any, Any, bytes]], Future[list[batch.Verdict]]] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
+            while not self._cancelled:
+                stopping = self.stop.is_set()
+                if inflight is not None and inflight[1].done():
+                    taken, future = inflight
+                    inflight = None
+                    if not self._settle(connection, channel, taken, future, pending):
+                        first_at = None
+                        continue
+                if stopping and inflight is None:
+                    return  # SIGTERM: the batch in hand is committed and settled
+                if pending and first_at is None:
+                    first_at = time.monotonic()
+                full = len(pending) >= self.source.batch
+                waited = first_at is not None and time.monotonic() - first_at >= BATCH_WAIT_SECONDS
+                if inflight is None and pending and (full or waited) and not stopping:
+                    taken = pending[: self.source.batch]
+                    del pending[: self.source.batch]
+                    first_at = time.monotonic() if pending else None
+                    inflight = (taken, pool.submit(self._store, taken))
                     continue
-            if stopping:
-                return  # SIGTERM: the batch in hand is committed and settled
-            if first_at is None:
-                timeout = IDLE_WAIT_SECONDS
-            else:
-                timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
-            connection.process_data_events(time_limit=timeout)
+                if inflight is not None:
+                    timeout = 0.002
+                elif first_at is None:
+                    timeout = IDLE_WAIT_SECONDS
+                else:
+                    timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
+                connection.process_data_events(time_limit=timeout)
 
-    def _flush(self, connection: Any, channel: Any, taken: list[tuple[Any, Any, bytes]]) -> bool:
-        """Store and settle one batch; False when the database was away (batch requeued)."""
+    def _store(self, taken: list[tuple[Any, Any, bytes]]) -> list[batch.Verdict]:
         deliveries = [self._delivery(method, props, body) for method, props, body in taken]
+        with self.app.app_context():
+            return self.store(self.source, deliveries)
+
+    def _settle(
+        self,
+        connection: Any,
+        channel: Any,
+        taken: list[tuple[Any, Any, bytes]],
+        future: Future[list[batch.Verdict]],
+        pending: list[tuple[Any, Any, bytes]],
+    ) -> bool:
+        """Settle a stored batch; False when the database was away (everything requeued)."""
         try:
-            verdicts = self.store(self.source, deliveries)
+            verdicts = future.result()
         except batch.DatabaseUnavailable as exc:
             # Nothing committed, so nothing is settled as done: the broker
-            # gets the whole batch back, and the consumer waits before more.
-            channel.basic_nack(delivery_tag=taken[-1][0].delivery_tag, multiple=True, requeue=True)
+            # gets back the batch and what arrived behind it, and the
+            # consumer waits before taking more.
+            last = (pending or taken)[-1][0].delivery_tag
+            pending.clear()
+            channel.basic_nack(delivery_tag=last, multiple=True, requeue=True)
             delay = self.outage.failed("database", exc)
             deadline = time.monotonic() + delay
             while not self.stop.is_set() and time.monotonic() < deadline:
