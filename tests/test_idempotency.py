@@ -1,7 +1,14 @@
-"""The Idempotency-Key engine on views of its own: the state machine's scenarios."""
+"""The Idempotency-Key engine on views of its own: the state machine's scenarios.
+
+Each scenario runs with the views in both modes: one commit (the claim in
+the view's transaction, the default) and two phases (the claim committed
+first, under a lease).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import uuid
 from datetime import timedelta
@@ -10,9 +17,11 @@ import pytest
 from flask import Blueprint, abort, g, jsonify, make_response
 from sqlalchemy import func, insert, select
 
+from webhook_receiver import idempotency
 from webhook_receiver.api.auth import require_client
 from webhook_receiver.extensions import db
-from webhook_receiver.idempotency import idempotent
+from webhook_receiver.idempotency import records
+from webhook_receiver.idempotency.decorator import request_fingerprint, run_claimed
 from webhook_receiver.idempotency.records import COMPLETED, IN_PROGRESS
 from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 from webhook_receiver.problems import Problem
@@ -40,12 +49,13 @@ def _write_event(tag: str) -> int:
     ).scalar_one()
 
 
-def make_test_blueprint() -> Blueprint:
+def make_test_blueprint(two_phase: bool = False) -> Blueprint:
     bp = Blueprint("engine_test", __name__)
+    idempotent = functools.partial(idempotency.idempotent, two_phase=two_phase)
 
     @bp.post("/t/ok")
     @require_client
-    @idempotent
+    @idempotent()
     def ok():
         calls.append("ok")
         event_id = _write_event("ok")
@@ -58,7 +68,7 @@ def make_test_blueprint() -> Blueprint:
 
     @bp.post("/t/raise")
     @require_client
-    @idempotent
+    @idempotent()
     def boom():
         calls.append("raise")
         _write_event("raise")
@@ -66,7 +76,7 @@ def make_test_blueprint() -> Blueprint:
 
     @bp.post("/t/500")
     @require_client
-    @idempotent
+    @idempotent()
     def five_hundred():
         calls.append("500")
         _write_event("500")
@@ -74,14 +84,14 @@ def make_test_blueprint() -> Blueprint:
 
     @bp.post("/t/problem")
     @require_client
-    @idempotent
+    @idempotent()
     def problem():
         calls.append("problem")
         raise Problem("invalid-event", "nope")
 
     @bp.post("/t/write-then-problem")
     @require_client
-    @idempotent
+    @idempotent()
     def write_then_problem():
         calls.append("write-then-problem")
         _write_event("partial")
@@ -89,14 +99,14 @@ def make_test_blueprint() -> Blueprint:
 
     @bp.post("/t/abort")
     @require_client
-    @idempotent
+    @idempotent()
     def aborted():
         calls.append("abort")
         abort(404)
 
     @bp.post("/t/who")
     @require_client
-    @idempotent
+    @idempotent()
     def who():
         calls.append(g.client)
         return jsonify(client=g.client)
@@ -104,11 +114,11 @@ def make_test_blueprint() -> Blueprint:
     return bp
 
 
-@pytest.fixture
-def app(make_app):
+@pytest.fixture(params=["one_commit", "two_phase"])
+def app(request, make_app):
     calls.clear()
     app = make_app(PROPAGATE_EXCEPTIONS=False)
-    app.register_blueprint(make_test_blueprint())
+    app.register_blueprint(make_test_blueprint(two_phase=request.param == "two_phase"))
     return app
 
 
@@ -309,3 +319,58 @@ def test_a_view_that_writes_then_refuses_keeps_none_of_its_writes(app, client):
     assert again.headers["Idempotent-Replayed"] == "true"
     assert calls == ["write-then-problem"]
     assert events(app) == 0
+
+
+def test_same_key_and_body_on_another_path_is_a_mismatch(app, client):
+    assert post(client, "/t/ok").status_code == 201
+    # The path is part of the fingerprint: another view is another request.
+    response = post(client, "/t/who")
+    assert response.status_code == 422
+    assert response.get_json()["type"] == "/problems/idempotency-key-reused"
+    assert calls == ["ok"]
+    assert events(app) == 1
+
+
+def test_two_phase_holder_that_lost_its_lease_is_fenced(make_app):
+    calls.clear()
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    app.register_blueprint(make_test_blueprint(two_phase=True))
+    lease, ttl = timedelta(seconds=60), timedelta(hours=24)
+    req = records.Request("acme", "slow", request_print(app, "/t/ok"), "POST", "/t/ok")
+    with app.app_context():
+        start = utcnow()
+        stale = records.claim(req, start, lease, ttl)
+        assert isinstance(stale, records.Claimed)
+        # Within the lease a retry is told to wait...
+        assert isinstance(records.claim(req, start + lease / 2, lease, ttl), records.InFlight)
+        # ...past it, the holder counts as crashed and the retry takes over.
+        fresh = records.claim(req, start + lease + timedelta(seconds=1), lease, ttl)
+        assert isinstance(fresh, records.Claimed)
+        assert (fresh.record_id, fresh.token != stale.token) == (stale.record_id, True)
+
+    # The stale holder was not dead after all: it runs and tries to complete.
+    view = inspect.unwrap(app.view_functions["engine_test.ok"])  # the view itself
+    with app.test_request_context("/t/ok", method="POST", json={"a": 1}):
+        g.client = "acme"
+        response = run_claimed(req, stale, view, (), {})
+    assert response.status_code == 409
+    assert response.get_json()["type"] == "/problems/idempotency-lease-lost"
+    assert response.headers["Retry-After"] == "1"
+    assert events(app) == 0  # its writes went with its answer
+    rec = record(app, "slow")
+    assert (rec.state, rec.lease_token, rec.response_status) == (IN_PROGRESS, fresh.token, None)
+
+    # The new holder completes as if nothing happened.
+    with app.test_request_context("/t/ok", method="POST", json={"a": 1}):
+        g.client = "acme"
+        assert run_claimed(req, fresh, view, (), {}).status_code == 201
+    rec = record(app, "slow")
+    assert (rec.state, rec.lease_token, rec.response_status) == (COMPLETED, None, 201)
+    assert events(app) == 1
+    assert post(app.test_client(), "/t/ok", key="slow").headers["Idempotent-Replayed"] == "true"
+
+
+def request_print(app, path: str) -> str:
+    """The fingerprint ``post`` gives a request to ``path``."""
+    with app.test_request_context(path, method="POST", json={"a": 1}):
+        return request_fingerprint()

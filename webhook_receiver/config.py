@@ -33,6 +33,9 @@ DEFAULTS: dict[str, Any] = {
     "MAX_BODY_BYTES": 1024 * 1024,
     "IDEMPOTENCY_LEASE_SECONDS": 60,
     "IDEMPOTENCY_TTL_SECONDS": 24 * 3600,
+    # How long a request waits for another's uncommitted claim of its key
+    # (PostgreSQL's lock_timeout) before answering 409.
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECONDS": 5.0,
     "PURGE_BATCH_SIZE": 1000,
     # Days events are kept when no [sources.*] table says: API events
     # (``api:<client>``), and events of a source since removed from the file.
@@ -82,6 +85,7 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "MAX_BODY_BYTES": (int, 1),
     "IDEMPOTENCY_LEASE_SECONDS": (int, 1),
     "IDEMPOTENCY_TTL_SECONDS": (int, 1),
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECONDS": (float, 0.001),
     "PURGE_BATCH_SIZE": (int, 1),
     "API_RETENTION_DAYS": (int, 1),
     "DEFAULT_RETENTION_DAYS": (int, 1),

@@ -93,14 +93,20 @@ def init_app(app: Flask) -> None:
 def unit_of_work(
     session: Session | scoped_session[Any] | None = None,
 ) -> Iterator[Session | scoped_session[Any]]:
-    """Commit the block's writes as one transaction, or roll back and re-raise."""
+    """Commit the block's writes as one transaction, or roll back and re-raise.
+
+    The one way a session's writes commit. On SQLite the block runs in the
+    writers' turn (see SQLiteWriterTurns), so every writer waits for the
+    write lock the same way.
+    """
     session = session or db.session
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
+    with writer_turn():
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from sqlalchemy import CursorResult, Table, and_, delete, exists, false, not_, o
 from sqlalchemy.sql.elements import ColumnElement
 
 from .config import FileConfig
-from .database import end_read
+from .database import end_read, unit_of_work
 from .extensions import db
 from .idempotency import records
 from .models import AdminLoginFailure, Delivery, Event, Rejection
@@ -142,9 +142,11 @@ def _purge_scope(
             statement = delete(table).where(table.c.id.in_(ids), *old)
             if blocked is not None:
                 statement = statement.where(not_(blocked))
-            # A DELETE's result is a CursorResult; Session.execute is typed wider.
-            deleted += cast(CursorResult[Any], db.session.execute(statement)).rowcount
-            db.session.commit()
+            # Each batch is its own unit of work: a long purge never holds
+            # the write lock for more than one batch.
+            with unit_of_work() as session:
+                # A DELETE's result is a CursorResult; Session.execute is typed wider.
+                deleted += cast(CursorResult[Any], session.execute(statement)).rowcount
         if len(rows) < batch_size:
             break
     return deleted, kept

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.processing import deliveries
 
 from .conftest import config_with, delivery, forward, store_event
 
 LEASE = timedelta(seconds=10)
+
+
+def claim_next(now: datetime, lease: timedelta) -> deliveries.Claim | None:
+    """Claim as the worker does: the claim is its own unit of work."""
+    with unit_of_work():
+        return deliveries.claim_next(now, lease)
 
 
 def _app(make_app):
@@ -20,7 +27,7 @@ def test_claim_takes_the_due_delivery_under_a_lease(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), LEASE)
+        claim = claim_next(clock(), LEASE)
         assert claim is not None
         assert (claim.event_id, claim.consumer, claim.kind, claim.attempt) == (
             event_id,
@@ -28,7 +35,7 @@ def test_claim_takes_the_due_delivery_under_a_lease(make_app, clock):
             "forward",
             1,
         )
-        assert deliveries.claim_next(clock(), LEASE) is None
+        assert claim_next(clock(), LEASE) is None
     row = delivery(app, event_id, "billing")
     assert row["state"] == "in_progress"
     assert row["lease_token"] == claim.token
@@ -40,17 +47,17 @@ def test_nothing_is_claimed_before_next_attempt_at(make_app, clock):
     app = _app(make_app)
     store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        assert deliveries.claim_next(clock() - timedelta(seconds=1), LEASE) is None
-        assert deliveries.claim_next(clock(), LEASE) is not None
+        assert claim_next(clock() - timedelta(seconds=1), LEASE) is None
+        assert claim_next(clock(), LEASE) is not None
 
 
 def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced_off(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        first = deliveries.claim_next(clock(), LEASE)
-        assert deliveries.claim_next(clock() + LEASE - timedelta(seconds=1), LEASE) is None
-        second = deliveries.claim_next(clock() + LEASE, LEASE)
+        first = claim_next(clock(), LEASE)
+        assert claim_next(clock() + LEASE - timedelta(seconds=1), LEASE) is None
+        second = claim_next(clock() + LEASE, LEASE)
         assert second is not None
         assert second.id == first.id
         assert second.token != first.token
@@ -68,22 +75,22 @@ def test_claims_go_most_overdue_first(make_app, clock):
     clock.advance(1)
     second = store_event(app, clock, dedup_key="evt-2")
     with app.app_context():
-        assert deliveries.claim_next(clock(), LEASE).event_id == first
-        assert deliveries.claim_next(clock(), LEASE).event_id == second
+        assert claim_next(clock(), LEASE).event_id == first
+        assert claim_next(clock(), LEASE).event_id == second
 
 
 def test_requeue_puts_a_dead_delivery_back_with_a_whole_budget(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), LEASE)
+        claim = claim_next(clock(), LEASE)
         assert deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
         db.session.commit()
-        assert deliveries.claim_next(clock(), LEASE) is None
+        assert claim_next(clock(), LEASE) is None
         clock.advance(60)
         assert deliveries.requeue([claim.id], clock()) == 1
         db.session.commit()
-        again = deliveries.claim_next(clock(), LEASE)
+        again = claim_next(clock(), LEASE)
     assert again.id == claim.id
     assert again.attempt == 1
     assert delivery(app, event_id, "billing")["state"] == "in_progress"
@@ -93,7 +100,7 @@ def test_requeue_leaves_delivered_ones_alone(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), LEASE)
+        claim = claim_next(clock(), LEASE)
         deliveries.mark_delivered(claim, clock(), 200)
         db.session.commit()
         assert deliveries.requeue([claim.id], clock()) == 0
@@ -106,7 +113,7 @@ def test_needing_attention_lists_dead_and_long_stuck(make_app, clock):
     dead_id = store_event(app, clock, dedup_key="evt-1")
     stuck_id = store_event(app, clock, dedup_key="evt-2")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), LEASE)
+        claim = claim_next(clock(), LEASE)
         deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
         db.session.commit()
         clock.advance(3600)
@@ -123,9 +130,9 @@ def test_requeue_leaves_a_delivery_a_worker_has_just_claimed(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        stuck = deliveries.claim_next(clock(), LEASE)
+        stuck = claim_next(clock(), LEASE)
         clock.advance(LEASE.total_seconds() + 1)  # the first holder died
-        fresh = deliveries.claim_next(clock(), LEASE)  # taken over in the meantime
+        fresh = claim_next(clock(), LEASE)  # taken over in the meantime
         assert fresh.id == stuck.id
         assert deliveries.requeue([stuck.id], clock()) == 0
         db.session.commit()
@@ -138,7 +145,7 @@ def test_a_discarded_delivery_is_never_claimed_again(make_app, clock):
     app = _app(make_app)
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), LEASE)
+        claim = claim_next(clock(), LEASE)
         assert deliveries.mark_dead(claim, clock(), "consumer 'billing' is gone", None)
         db.session.commit()
         clock.advance(60)
@@ -148,10 +155,10 @@ def test_a_discarded_delivery_is_never_claimed_again(make_app, clock):
             (claim.id, event_id, "billing", "shop")
         ]
         # Neither a later claim nor a requeue brings it back.
-        assert deliveries.claim_next(clock() + timedelta(days=365), LEASE) is None
+        assert claim_next(clock() + timedelta(days=365), LEASE) is None
         assert deliveries.requeue([claim.id], clock()) == 0
         db.session.commit()
-        assert deliveries.claim_next(clock() + timedelta(days=365), LEASE) is None
+        assert claim_next(clock() + timedelta(days=365), LEASE) is None
     row = delivery(app, event_id, "billing")
     assert row["state"] == "discarded"
     assert row["last_error"] == "consumer 'billing' is gone"
@@ -166,12 +173,12 @@ def test_discard_moves_dead_ones_only(make_app, clock):
     claimed_id = store_event(app, clock, dedup_key="evt-2")
     delivered_id = store_event(app, clock, dedup_key="evt-3")
     with app.app_context():
-        first = deliveries.claim_next(clock(), LEASE)
-        second = deliveries.claim_next(clock(), LEASE)
+        first = claim_next(clock(), LEASE)
+        second = claim_next(clock(), LEASE)
         assert (first.event_id, second.event_id) == (pending_id, claimed_id)
         # The first goes back to pending after a failure, the third is delivered.
         deliveries.mark_retry(first, clock(), clock() + timedelta(minutes=1), "HTTP 503", 503)
-        third = deliveries.claim_next(clock(), LEASE)
+        third = claim_next(clock(), LEASE)
         deliveries.mark_delivered(third, clock(), 200)
         db.session.commit()
         assert deliveries.discard([first.id, second.id, third.id], clock()) == []

@@ -10,6 +10,7 @@ from email.utils import format_datetime
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.processing import deliveries, registry
 
@@ -299,7 +300,8 @@ def test_a_lease_lost_on_the_last_attempt_goes_dead(make_app, downstream, clock,
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
         # A worker claimed it and died.
-        deliveries.claim_next(clock(), timedelta(seconds=5))
+        with unit_of_work():
+            deliveries.claim_next(clock(), timedelta(seconds=5))
     clock.advance(5)
     assert drain(app, make_worker(app, clock)) == ["dead"]
     row = delivery(app, event_id, "billing")
@@ -344,7 +346,8 @@ def test_an_event_purged_after_the_claim_is_let_go(make_app, downstream, clock):
     worker = Worker(app, clock=clock)
     try:
         with app.app_context():
-            claim = deliveries.claim_next(clock(), timedelta(seconds=5))
+            with unit_of_work():
+                claim = deliveries.claim_next(clock(), timedelta(seconds=5))
             db.session.execute(delete(Event).where(Event.id == event_id))
             db.session.commit()
             outcome = worker.process(claim)

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from webhook_receiver.config import ConfigError
+from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.processing import deliveries, handler, registry
 from webhook_receiver.processing.worker import Worker
@@ -93,9 +94,11 @@ def test_handler_whose_lease_was_taken_over_commits_nothing(make_app, clock, led
     worker = Worker(app, clock=clock)
     try:
         with app.app_context():
-            stale = deliveries.claim_next(clock(), timedelta(seconds=5))
+            with unit_of_work():
+                stale = deliveries.claim_next(clock(), timedelta(seconds=5))
             # Another worker takes the delivery over after the lease expired...
-            fresh = deliveries.claim_next(clock() + timedelta(seconds=5), timedelta(seconds=5))
+            with unit_of_work():
+                fresh = deliveries.claim_next(clock() + timedelta(seconds=5), timedelta(seconds=5))
             assert fresh.id == stale.id
             # ...so the first one's attempt is fenced off before the handler runs.
             outcome = worker.process(stale)
@@ -144,7 +147,8 @@ def test_a_failed_handler_leaves_no_transaction_open(make_app, clock, ledger):
     ledger(app)
     event_id = store_event(app, clock, dedup_key="evt-1", event_type="order.refunded")
     with app.app_context():
-        claim = deliveries.claim_next(clock(), timedelta(seconds=5))
+        with unit_of_work():
+            claim = deliveries.claim_next(clock(), timedelta(seconds=5))
         worker = Worker(app, clock=clock)
         try:
             handlers.failures["audit"] = 1

@@ -1,8 +1,11 @@
 """``@idempotent``: make any Flask view safe to retry under an Idempotency-Key.
 
-The claim commits on its own, so concurrent retries see it (409) and a
-crashed holder's lease can expire. The view's writes and the saved response
-then commit in one transaction: a retry sees either nothing or the whole.
+By default the claim, the view's writes and the saved response are one
+transaction: a retry sees either nothing or the whole, and a racing request
+with the key waits for the holder's commit, then replays. With
+``two_phase=True`` the claim commits on its own first, so concurrent retries
+see it (409) and a crashed holder's lease can expire; the view's writes and
+the saved response then commit together. See docs/idempotency.md.
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ import functools
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
 
-from ..database import writer_turn
+from ..database import is_sqlite, writer_turn
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..observability import metrics
@@ -61,56 +64,173 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def idempotent(view: F) -> F:
-    """Run ``view`` at most once per (client, Idempotency-Key); replay its response after.
+@overload
+def idempotent(view: F, *, two_phase: bool = False) -> F: ...
+
+
+@overload
+def idempotent(view: None = None, *, two_phase: bool = False) -> Callable[[F], F]: ...
+
+
+def idempotent(view: F | None = None, *, two_phase: bool = False) -> F | Callable[[F], F]:
+    """Run a view at most once per (client, Idempotency-Key); replay its response after.
 
     Needs ``g.client`` (the authenticated client's name) set before it runs.
     The view must not commit: its writes commit together with the saved
-    response, or not at all.
+    response, or not at all. By default the claim is part of that one
+    transaction, which suits a view whose effects are all in this database.
+    ``two_phase=True`` commits the claim first, under a lease, for a view
+    that calls other services: concurrent retries then get 409 at once
+    instead of waiting, and a holder that outlives its lease is fenced.
     """
 
-    @functools.wraps(view)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        key = parse_key(request.headers)
-        assert key is not None
-        req = records.Request(
-            client=g.client,
-            key=key,
-            fingerprint=request_fingerprint(),
-            method=request.method,
-            path=request.path,
-        )
-        config = current_app.config
-        lease = timedelta(seconds=int(config["IDEMPOTENCY_LEASE_SECONDS"]))
-        ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
-        outcome = records.claim(req, _now(), lease, ttl)
+    def decorate(view: F) -> F:
+        run = _two_phase if two_phase else _one_commit
 
-        if isinstance(outcome, records.Replay):
-            response = Response(outcome.body, status=outcome.status)
-            response.headers.clear()
-            for name, value in outcome.headers:
-                response.headers.add(name, value)
-            response.headers["Idempotent-Replayed"] = "true"
-            _log(logging.INFO, "idempotency replay", "replay", req, outcome.status)
-            metrics.replay(_source(req))
-            return response
-        if isinstance(outcome, records.Mismatch):
-            _log(logging.WARNING, "idempotency key reused", "mismatch", req, 422)
-            metrics.conflict(_source(req))
-            raise Problem(
-                "idempotency-key-reused",
-                "this Idempotency-Key was used with a different request",
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            key = parse_key(request.headers)
+            assert key is not None
+            req = records.Request(
+                client=g.client,
+                key=key,
+                fingerprint=request_fingerprint(),
+                method=request.method,
+                path=request.path,
             )
-        if isinstance(outcome, records.InFlight):
-            _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
-            raise Problem(
+            return run(req, view, args, kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate if view is None else decorate(view)
+
+
+def _answer(
+    req: records.Request, outcome: records.Replay | records.Mismatch | records.InFlight
+) -> Response:
+    """Answer a request whose key is already settled or held elsewhere."""
+    if isinstance(outcome, records.Replay):
+        response = Response(outcome.body, status=outcome.status)
+        response.headers.clear()
+        for name, value in outcome.headers:
+            response.headers.add(name, value)
+        response.headers["Idempotent-Replayed"] = "true"
+        _log(logging.INFO, "idempotency replay", "replay", req, outcome.status)
+        metrics.replay(_source(req))
+        return response
+    if isinstance(outcome, records.Mismatch):
+        _log(logging.WARNING, "idempotency key reused", "mismatch", req, 422)
+        metrics.conflict(_source(req))
+        raise Problem(
+            "idempotency-key-reused",
+            "this Idempotency-Key was used with a different request",
+        )
+    _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
+    raise Problem(
+        "idempotency-key-in-use",
+        "a request with this Idempotency-Key is being processed; retry later",
+        headers={"Retry-After": str(outcome.retry_after)},
+    )
+
+
+# -- one commit: the claim, the view's writes and the response together ------
+
+
+def _one_commit(req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    config = current_app.config
+    ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
+    lock_timeout = float(config["IDEMPOTENCY_LOCK_TIMEOUT_SECONDS"])
+    for _ in range(5):
+        # Read first: most requests that find a record are retries, and a
+        # lone read is their whole cost.
+        outcome = records.find(req, _now())
+        if outcome is not None:
+            return _answer(req, outcome)
+        response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+        if response is not None:
+            return response
+        # A racing request with the key committed first: answer from its record.
+    raise RuntimeError("idempotency key did not settle")  # pragma: no cover
+
+
+def _run_in_one_transaction(
+    req: records.Request,
+    view: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    ttl: timedelta,
+    lock_timeout: float,
+) -> Response | None:
+    """Claim, run the view and save its answer in one transaction; None if the key was taken."""
+    session = db.session
+    try:
+        # SQLite: the whole transaction is one writers' turn, and the claim
+        # opens it with a write, so the view's reads and writes run under the
+        # write lock. PostgreSQL: the claim and the saved answer are one
+        # statement after the view, one round trip fewer.
+        with writer_turn():
+            claimed = None
+            if is_sqlite():
+                claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
+                if claimed is None:
+                    session.rollback()
+                    return None
+            raised = False
+            try:
+                rv = view(*args, **kwargs)
+            except Exception as exc:
+                # 4xx problems and HTTP errors are results worth replaying;
+                # anything else re-raises and rolls everything back below.
+                rv = current_app.handle_user_exception(exc)
+                raised = True
+            response = current_app.make_response(rv)
+            if response.status_code >= 500:
+                # Nothing was committed: the claim goes with the rest, and
+                # the key is free for the retry.
+                session.rollback()
+                return response
+            if raised:
+                # A view that raised keeps none of its writes: only its
+                # answer is saved, with the claim made again.
+                session.rollback()
+                claimed = None
+            saved = (response.status_code, _saved_headers(response), response.get_data())
+            if claimed is not None:
+                records.complete(claimed, *saved, _now())
+            elif not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
+                session.rollback()
+                return None
+            session.commit()
+    except records.KeyLocked:
+        session.rollback()
+        _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
+        return problem_response(
+            Problem(
                 "idempotency-key-in-use",
                 "a request with this Idempotency-Key is being processed; retry later",
-                headers={"Retry-After": str(outcome.retry_after)},
+                headers={"Retry-After": "1"},
             )
-        return _execute(req, outcome, view, args, kwargs)
+        )
+    except BaseException:
+        session.rollback()
+        raise
+    _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
+    if response.status_code < 300:
+        metrics.received(_source(req))
+    return response
 
-    return cast(F, wrapper)
+
+# -- two phases: the claim commits first, under a lease ----------------------
+
+
+def _two_phase(req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    config = current_app.config
+    lease = timedelta(seconds=int(config["IDEMPOTENCY_LEASE_SECONDS"]))
+    ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
+    outcome = records.claim(req, _now(), lease, ttl)
+    if isinstance(outcome, records.Claimed):
+        return run_claimed(req, outcome, view, args, kwargs)
+    return _answer(req, outcome)
 
 
 def _source(req: records.Request) -> str:
@@ -132,13 +252,18 @@ def _log(level: int, message: str, outcome: str, req: records.Request, status: i
     )
 
 
-def _execute(
+def run_claimed(
     req: records.Request,
     claimed: records.Claimed,
     view: Callable[..., Any],
     args: Any,
     kwargs: Any,
 ) -> Any:
+    """Run the view under a two-phase claim and save its answer, fenced by the lease token.
+
+    A holder whose lease was taken over answers 409 ``idempotency-lease-lost``
+    and keeps none of its writes; the new holder's record is left as it is.
+    """
     session = db.session
     try:
         # On SQLite the view runs in the writers' turn: hold() takes the

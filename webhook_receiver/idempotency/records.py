@@ -1,10 +1,16 @@
 """The idempotency record as a small state machine, and its data access.
 
-States: ``in_progress`` (claimed under a lease by one request) and
-``completed`` (the response is saved). A record past ``expires_at`` counts
-as absent; an ``in_progress`` record past its lease was left by a crashed
-holder and may be taken over. Every transition is one conditional statement,
-so the database decides every race.
+States: ``in_progress`` (claimed by one request) and ``completed`` (the
+response is saved). A record past ``expires_at`` counts as absent; an
+``in_progress`` record past its lease was left by a crashed holder and may
+be taken over. Every transition is one conditional statement, so the
+database decides every race.
+
+Two ways to hold a key (docs/idempotency.md): a two-phase claim commits on
+its own under a lease (``claim``), for views whose effects reach other
+services; a claim in the view's own transaction (``claim_in_transaction``)
+is never seen uncommitted, needs no lease, and commits with the view's
+writes and the saved response, or rolls back with them.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import and_, bindparam, delete, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
+from sqlalchemy.exc import OperationalError
 
 from ..database import (
     autocommit_connection,
@@ -81,6 +88,14 @@ class LeaseLost(Exception):
     """The lease expired and another request took the key over."""
 
 
+class KeyLocked(Exception):
+    """Another transaction holds the key uncommitted for longer than the lock timeout."""
+
+
+# PostgreSQL's lock_not_available: the lock timeout ran out.
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
 def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outcome:
     """Claim the key for this request, or say why not.
 
@@ -96,21 +111,147 @@ def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outc
             return Claimed(inserted, token)
         if row is None:
             continue  # another first request won the insert: read its record
-        expired = row.expires_at <= now
-        abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
-        if expired or abandoned:
-            if _take_over(row.id, req, token, now, lease, ttl):
-                return Claimed(row.id, token)
-            continue  # somebody else took it over or finished: read again
-        if row.state == IN_PROGRESS:
-            # Whatever its body: the holder may still fail and release the
-            # key, so "in flight, retry later" is the honest answer.
-            remaining = (row.lease_expires_at - now).total_seconds()
-            return InFlight(max(1, math.ceil(remaining)))
-        if row.fingerprint != req.fingerprint:
-            return Mismatch()
-        return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
+        answer = _answer(row, req, now)
+        if answer is not None:
+            return answer
+        if _take_over(row.id, req, token, now, lease, ttl):
+            return Claimed(row.id, token)
+        # Somebody else took it over or finished: read again.
     raise RuntimeError("idempotency claim did not settle")  # pragma: no cover
+
+
+def _answer(row: Any, req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
+    """What a stored record answers this request; None when it is expired or abandoned."""
+    expired = row.expires_at <= now
+    abandoned = row.state == IN_PROGRESS and row.lease_expires_at <= now
+    if expired or abandoned:
+        return None
+    if row.state == IN_PROGRESS:
+        # Whatever its body: the holder may still fail and release the
+        # key, so "in flight, retry later" is the honest answer.
+        remaining = (row.lease_expires_at - now).total_seconds()
+        return InFlight(max(1, math.ceil(remaining)))
+    if row.fingerprint != req.fingerprint:
+        return Mismatch()
+    return Replay(row.response_status, row.response_headers or [], row.response_body or b"")
+
+
+def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
+    """Read the key's record outside any transaction: its answer, or None if the key is free.
+
+    A lone read (no BEGIN, no ROLLBACK), so a replay is one round trip. An
+    uncommitted claim is not seen: its holder decides, see
+    ``claim_in_transaction``.
+    """
+    with autocommit_connection() as conn:
+        row = conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
+    return None if row is None else _answer(row, req, now)
+
+
+def claim_in_transaction(
+    req: Request, now: datetime, ttl: timedelta, lock_timeout: float
+) -> Claimed | None:
+    """Claim the key in the session's transaction, before the view runs; None if it is taken.
+
+    For SQLite, where the claim opens the transaction with a write, so that
+    the view's reads and writes run under the write lock. The claim has no
+    lease: nobody sees it before it commits, and it commits completed
+    (``complete``). Its lease is over the moment it is taken, so if it were
+    ever seen in progress, it could be taken over. See ``_upsert`` for the
+    races.
+    """
+    token = secrets.token_hex(16)
+    values = _claim_values(req, token, now, timedelta(0), ttl)
+    values.update(completed_at=None, response_status=None, response_headers=None)
+    values["response_body"] = None
+    claimed_id = _upsert(req, values, now, lock_timeout)
+    return None if claimed_id is None else Claimed(claimed_id, token)
+
+
+def save_in_transaction(
+    req: Request,
+    response: tuple[int, list[list[str]], bytes],
+    now: datetime,
+    ttl: timedelta,
+    lock_timeout: float,
+) -> bool:
+    """Claim the key and save its response in one statement, after the view ran.
+
+    The claim and the completion at once (one round trip fewer than
+    ``claim_in_transaction`` and ``complete``), in the session's
+    transaction, which commits the view's writes with it. False if the key
+    is taken: roll back, and answer from its record (``find``).
+    """
+    status, headers, body = response
+    values = _claim_values(req, None, now, timedelta(0), ttl)
+    values.update(state=COMPLETED, lease_expires_at=None, completed_at=now)
+    values.update(response_status=status, response_headers=headers, response_body=body)
+    return _upsert(req, values, now, lock_timeout) is not None
+
+
+def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: float) -> int | None:
+    """Insert the record, or take over an expired or abandoned one; its id, or None if taken.
+
+    A record under the key that answers for itself is left alone. A record
+    of another transaction not yet committed is waited for: if it commits,
+    the key is taken; if it rolls back, this one goes in. On PostgreSQL the
+    wait is bounded by ``lock_timeout`` seconds, then KeyLocked; on SQLite
+    the writers' turn and the write lock serialise whole transactions,
+    bounded by the busy timeout (a 503, as for any write).
+    """
+    params = {**values, "client": req.client, "key": req.key, "b_now": now}
+    connection = db.session.connection()
+    if is_sqlite():
+        return cast(int | None, connection.execute(_upsert_statement("sqlite"), params).scalar())
+    params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+    try:
+        return cast(
+            int | None, connection.execute(_upsert_statement("postgresql"), params).scalar()
+        )
+    except OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            raise KeyLocked() from exc
+        raise
+
+
+_UPSERT_COLUMNS = (
+    *("client", "key", "fingerprint", "method", "path", "state", "lease_token"),
+    *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
+    *("response_headers", "response_body"),
+)
+_UPSERTS: dict[str, Any] = {}
+
+
+def _upsert_statement(dialect: str) -> Any:
+    """The upsert of ``_upsert`` for this dialect, built once."""
+    statement = _UPSERTS.get(dialect)
+    if statement is not None:
+        return statement
+    params = {name: bindparam(name, type_=_t.c[name].type) for name in _UPSERT_COLUMNS}
+    now = bindparam("b_now", type_=_t.c.expires_at.type)
+    takeable = or_(
+        _t.c.expires_at <= now, and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now)
+    )
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        insert: Any = sqlite_insert(_t).values(params)
+    else:
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        # The statement sets the lock timeout itself (for the rest of the
+        # transaction) before its row can meet an uncommitted one: a
+        # SET LOCAL of its own would cost a round trip per new key.
+        lock_timeout = func.set_config("lock_timeout", bindparam("b_lock_timeout"), True)
+        row = select(*params.values()).where(lock_timeout.is_not(None))
+        insert = pg_insert(_t).from_select(list(_UPSERT_COLUMNS), row)
+    statement = insert.on_conflict_do_update(
+        index_elements=["client", "key"],
+        set_={name: insert.excluded[name] for name in _UPSERT_COLUMNS[2:]},
+        where=takeable,
+    ).returning(_t.c.id)
+    _UPSERTS[dialect] = statement
+    return statement
 
 
 _LOOKUP = select(
@@ -126,7 +267,7 @@ _LOOKUP = select(
 
 
 def _claim_values(
-    req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
+    req: Request, token: str | None, now: datetime, lease: timedelta, ttl: timedelta
 ) -> dict[str, Any]:
     # The columns of a fresh claim, whether inserted or taken over.
     return {
@@ -276,20 +417,34 @@ def complete(
 ) -> None:
     """Save the response in the current transaction; raise LeaseLost if the lease was lost."""
     result = db.session.connection().execute(
-        update(_t)
-        .where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
-        .values(
-            state=COMPLETED,
-            lease_token=None,
-            lease_expires_at=None,
-            completed_at=now,
-            response_status=status,
-            response_headers=headers,
-            response_body=body,
-        )
+        _COMPLETE,
+        {
+            "b_id": claimed.record_id,
+            "b_token": claimed.token,
+            "b_now": now,
+            "b_status": status,
+            "b_headers": headers,
+            "b_body": body,
+        },
     )
     if result.rowcount != 1:
         raise LeaseLost()
+
+
+# Built once: building it per request cost more CPU than running it.
+_COMPLETE = (
+    update(_t)
+    .where(_t.c.id == bindparam("b_id"), _t.c.lease_token == bindparam("b_token"))
+    .values(
+        state=COMPLETED,
+        lease_token=None,
+        lease_expires_at=None,
+        completed_at=bindparam("b_now", type_=_t.c.completed_at.type),
+        response_status=bindparam("b_status", type_=_t.c.response_status.type),
+        response_headers=bindparam("b_headers", type_=_t.c.response_headers.type),
+        response_body=bindparam("b_body", type_=_t.c.response_body.type),
+    )
+)
 
 
 def release(claimed: Claimed) -> None:

@@ -162,7 +162,7 @@ def new_delivery_columns(now: datetime) -> dict[str, Any]:
 
 
 def claim_next(now: datetime, lease: timedelta) -> Claim | None:
-    """Claim the most overdue claimable delivery and commit the claim; None if none.
+    """Claim the most overdue claimable delivery (the caller commits the claim); None if none.
 
     One conditional UPDATE: on PostgreSQL its subquery locks the row with
     ``FOR UPDATE SKIP LOCKED``, so concurrent workers pick different rows
@@ -193,7 +193,6 @@ def claim_next(now: datetime, lease: timedelta) -> Claim | None:
         )
         .returning(_t.c.id, _t.c.event_id, _t.c.consumer, _t.c.kind, _t.c.attempts)
     ).one_or_none()
-    db.session.commit()
     if row is None:
         return None
     delivery_id, event_id, consumer, kind, attempts = row

@@ -36,6 +36,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from ..config import ConfigError
+from ..database import unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
 from . import backoff, deliveries, forwarding, ordering, registry
@@ -162,7 +163,8 @@ class Worker:
 
     def run_once(self) -> AttemptOutcome | None:
         """Claim and process one due delivery; None when none is due. Needs an app context."""
-        claim = deliveries.claim_next(self.clock(), self.lease)
+        with unit_of_work():
+            claim = deliveries.claim_next(self.clock(), self.lease)
         if claim is None:
             return None
         started = time.monotonic()
@@ -229,28 +231,24 @@ class Worker:
         limit: int,
     ) -> AttemptOutcome:
         assert consumer.handler is not None
-        session = db.session
         now = self.clock()
         try:
-            if not deliveries.hold(claim, now):
-                session.rollback()
-                return self._outcome(claim, snap, LEASE_LOST)
-            if key is not None and not ordering.advance(snap.source, key, claim.event_id, now):
-                deliveries.mark_skipped(claim, now, ordering.STALE)
-                session.commit()
-                return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
-            event = session.get(Event, claim.event_id, populate_existing=True)
-            consumer.handler.func(event, session)
-            if not deliveries.mark_delivered(claim, self.clock()):
-                raise _LeaseLost()
-            session.commit()
+            # One transaction: the handler's writes and the done-marker commit together.
+            with unit_of_work() as session:
+                if not deliveries.hold(claim, now):
+                    raise _LeaseLost()
+                if key is not None and not ordering.advance(snap.source, key, claim.event_id, now):
+                    deliveries.mark_skipped(claim, now, ordering.STALE)
+                    return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
+                event = session.get(Event, claim.event_id, populate_existing=True)
+                consumer.handler.func(event, session)
+                if not deliveries.mark_delivered(claim, self.clock()):
+                    raise _LeaseLost()
         except _LeaseLost:
-            session.rollback()
             return self._outcome(claim, snap, LEASE_LOST)
         except Exception as exc:
-            # The handler's own writes go with the rollback; the failure is
+            # The handler's own writes went with the rollback; the failure is
             # recorded on its own.
-            session.rollback()
             permanent = isinstance(exc, PermanentFailure)
             error = f"{type(exc).__name__}: {exc}"
             log.debug("handler %s failed", consumer.name, exc_info=True)
@@ -266,10 +264,9 @@ class Worker:
         limit: int,
     ) -> AttemptOutcome:
         assert consumer.forward is not None
-        session = db.session
         if key is not None:
-            skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
-            session.commit()
+            with unit_of_work():
+                skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
             if skipped:
                 return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
         out = forwarding.Outgoing(
@@ -293,14 +290,13 @@ class Worker:
                 permanent=not result.retryable,
             )
         now = self.clock()
-        if not deliveries.mark_delivered(claim, now, result.status):
-            session.rollback()
-            return self._outcome(claim, snap, LEASE_LOST, status=result.status)
-        if key is not None:
-            # Already sent, so it is delivered either way; the version only
-            # moves forward.
-            ordering.advance(snap.source, key, claim.event_id, now)
-        session.commit()
+        with unit_of_work():
+            if not deliveries.mark_delivered(claim, now, result.status):
+                return self._outcome(claim, snap, LEASE_LOST, status=result.status)
+            if key is not None:
+                # Already sent, so it is delivered either way; the version
+                # only moves forward.
+                ordering.advance(snap.source, key, claim.event_id, now)
         return self._outcome(claim, snap, DELIVERED, status=result.status)
 
     def _fail(
@@ -328,8 +324,8 @@ class Worker:
             rand=self.rand,
         )
         next_at = now + timedelta(seconds=delay)
-        marked = deliveries.mark_retry(claim, now, next_at, error, status)
-        db.session.commit()
+        with unit_of_work():
+            marked = deliveries.mark_retry(claim, now, next_at, error, status)
         if not marked:
             return self._outcome(claim, snap, LEASE_LOST, status=status, error=error)
         return self._outcome(
@@ -339,8 +335,8 @@ class Worker:
     def _give_up(
         self, claim: Claim, snap: _Snapshot, error: str, status: int | None
     ) -> AttemptOutcome:
-        marked = deliveries.mark_dead(claim, self.clock(), error, status)
-        db.session.commit()
+        with unit_of_work():
+            marked = deliveries.mark_dead(claim, self.clock(), error, status)
         return self._outcome(
             claim, snap, DEAD if marked else LEASE_LOST, status=status, error=error
         )

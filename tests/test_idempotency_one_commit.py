@@ -1,0 +1,296 @@
+"""POST /api/events under one commit: crashes, racing requests and the lock timeout.
+
+The claim, the event and the saved response are one transaction, so a
+request that dies anywhere before its commit leaves nothing behind, and a
+request racing it with the same key waits for that commit and answers from
+it. Each scenario pauses the real request at a real statement (an engine
+event hook that blocks, or ends the process) to make the interleaving
+certain rather than likely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from flask import Flask
+from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy.engine import Engine
+
+from webhook_receiver import create_app
+from webhook_receiver.extensions import db
+from webhook_receiver.idempotency.records import COMPLETED
+from webhook_receiver.models import Event, IdempotencyRecord
+
+from .conftest import CLIENTS, SECRET_KEY, bearer
+from .servers import ROOT, wait_until
+
+BODY = {"type": "order.created", "data": {"order": 42}}
+OTHER_BODY = {"type": "order.created", "data": {"order": 43}}
+WAIT = 20  # seconds any step may take before the test gives up on it
+
+
+def post(app: Flask, key: str, body: dict[str, Any] = BODY) -> Any:
+    return app.test_client().post(
+        "/api/events",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={**bearer(), "Idempotency-Key": key},
+    )
+
+
+def stored(app: Flask) -> tuple[int, list[tuple[str, str]]]:
+    """The number of events, and the (key, state) of every idempotency record."""
+    with app.app_context():
+        count = db.session.scalar(select(func.count()).select_from(Event))
+        rows = db.session.execute(select(IdempotencyRecord.key, IdempotencyRecord.state)).all()
+        db.session.rollback()
+    return count, [tuple(row) for row in rows]
+
+
+def engine_of(app: Flask) -> Engine:
+    with app.app_context():
+        return db.engine
+
+
+@contextmanager
+def hook(app: Flask, on_statement: Callable[[Any, str], None]) -> Iterator[None]:
+    """Call ``on_statement(connection, sql)`` after each statement the app's engine runs."""
+
+    def after(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        on_statement(conn, statement)
+
+    engine = engine_of(app)
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        yield
+    finally:
+        event.remove(engine, "after_cursor_execute", after)
+
+
+def is_event_insert(sql: str) -> bool:
+    return sql.lstrip().upper().startswith("INSERT INTO EVENTS")
+
+
+def is_record_write(sql: str) -> bool:
+    return sql.lstrip().upper().startswith("INSERT INTO IDEMPOTENCY_RECORDS")
+
+
+def is_record_read(sql: str) -> bool:
+    return sql.lstrip().upper().startswith("SELECT") and "idempotency_records" in sql
+
+
+# -- crashes -----------------------------------------------------------------
+
+
+def crash_after_the_event_insert(db_url: str, key: str) -> None:
+    """In a process of its own: POST an event and die (os._exit) right after its INSERT."""
+    app = create_app(
+        {
+            "TESTING": True,
+            "SECRET_KEY": SECRET_KEY,
+            "SQLALCHEMY_DATABASE_URI": db_url,
+            "RECEIVER_CONFIG": {"clients": CLIENTS},
+        }
+    )
+
+    def die(_conn: Any, sql: str) -> None:
+        if is_event_insert(sql):
+            os._exit(17)  # no rollback, no close: the process is gone mid-transaction
+
+    with hook(app, die):
+        post(app, key)
+    os._exit(0)  # pragma: no cover (the request did not reach its event)
+
+
+def test_a_process_dying_mid_transaction_leaves_the_key_free(app, db_url):
+    crashed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_idempotency_one_commit import "
+            "crash_after_the_event_insert as crash; crash(sys.argv[1], 'crash-key')",
+            db_url,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert crashed.returncode == 17, crashed.stderr.decode()
+    assert stored(app) == (0, [])
+
+    retry = post(app, "crash-key")
+    assert retry.status_code == 201
+    assert "Idempotent-Replayed" not in retry.headers
+    assert stored(app) == (1, [("crash-key", COMPLETED)])
+
+
+def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, db_url):
+    if not db_url.startswith("postgresql"):
+        pytest.skip("pg_terminate_backend is PostgreSQL's; the crash test covers SQLite")
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    admin = create_engine(db_url)
+    terminated: list[int] = []
+
+    def terminate(conn: Any, sql: str) -> None:
+        # After the event's INSERT, before the record's: the server ends the
+        # backend (as a failover or an operator would), mid-transaction.
+        if is_event_insert(sql) and not terminated:
+            pid = conn.connection.driver_connection.info.backend_pid
+            with admin.connect() as other:
+                other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            terminated.append(pid)
+
+    try:
+        with hook(app, terminate):
+            first = post(app, "cut-key")
+        assert terminated
+        assert first.status_code == 503
+        assert first.mimetype == "application/problem+json"
+        assert stored(app) == (0, [])
+
+        retry = post(app, "cut-key")
+        assert retry.status_code == 201
+        assert "Idempotent-Replayed" not in retry.headers
+        assert stored(app) == (1, [("cut-key", COMPLETED)])
+    finally:
+        admin.dispose()
+
+
+# -- racing requests with one key --------------------------------------------
+
+
+class Paused:
+    """Hold one thread's request after a statement until ``release()`` (or only see it pass)."""
+
+    def __init__(self, matches: Callable[[str], bool], *, hold: bool = True) -> None:
+        self.matches = matches
+        self.thread: int | None = None
+        self.reached = threading.Event()
+        self._go = threading.Event()
+        if not hold:
+            self._go.set()
+
+    def __call__(self, _conn: Any, sql: str) -> None:
+        if threading.get_ident() == self.thread and not self.reached.is_set() and self.matches(sql):
+            self.reached.set()
+            self._go.wait(WAIT)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def start(pool: ThreadPoolExecutor, app: Flask, key: str, body: dict[str, Any], paused: Paused):
+    """Send a request from a pool thread, to be held where ``paused`` says."""
+    ready = threading.Event()
+
+    def send() -> Any:
+        paused.thread = threading.get_ident()
+        ready.set()
+        return post(app, key, body)
+
+    future = pool.submit(send)
+    assert ready.wait(WAIT)
+    return future
+
+
+def lock_waits(db_url: str) -> int:
+    """How many backends of this database wait for a lock (PostgreSQL)."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                    "WHERE NOT l.granted AND a.datname = current_database()"
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def hold_the_first_and_race(
+    app: Flask, db_url: str, key: str, second_body: dict[str, Any]
+) -> tuple[Future[Any], Future[Any]]:
+    """Hold a first request on its uncommitted record; start a second that meets it."""
+    # The first request holds its record's row, written but not committed
+    # (on SQLite, the claim that opens its transaction, with the write lock).
+    first_paused = Paused(is_record_write)
+    second_read = Paused(is_record_read, hold=False)
+
+    def on_statement(conn: Any, sql: str) -> None:
+        first_paused(conn, sql)
+        second_read(conn, sql)
+
+    pool = ThreadPoolExecutor(2)
+    with hook(app, on_statement):
+        first = start(pool, app, key, BODY, first_paused)
+        assert first_paused.reached.wait(WAIT)
+        second = start(pool, app, key, second_body, second_read)
+        # The second request read the key while the first's record was
+        # uncommitted: it saw nothing, and goes on to write its own.
+        assert second_read.reached.wait(WAIT)
+        if db_url.startswith("postgresql"):
+            # ...and waits on the first's row in the unique index.
+            assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
+        first_paused.release()
+        first.result(WAIT)
+        second.result(WAIT)
+    pool.shutdown()
+    return first, second
+
+
+def test_racing_request_with_the_same_body_replays_after_the_first_commits(app, db_url):
+    first, second = hold_the_first_and_race(app, db_url, "race-key", BODY)
+    assert first.result().status_code == 201
+    assert "Idempotent-Replayed" not in first.result().headers
+    replay = second.result()
+    assert replay.status_code == 201
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_data() == first.result().get_data()
+    assert stored(app) == (1, [("race-key", COMPLETED)])
+
+
+def test_racing_request_with_another_body_gets_422_after_the_first_commits(app, db_url):
+    first, second = hold_the_first_and_race(app, db_url, "race-key", OTHER_BODY)
+    assert first.result().status_code == 201
+    refused = second.result()
+    assert refused.status_code == 422
+    assert refused.mimetype == "application/problem+json"
+    assert refused.get_json()["type"] == "/problems/idempotency-key-reused"
+    assert stored(app) == (1, [("race-key", COMPLETED)])
+
+
+def test_waiting_past_the_lock_timeout_is_409_with_retry_after(make_app, db_url):
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite has no lock per key: a writer waits for the database (busy timeout)")
+    app = make_app(IDEMPOTENCY_LOCK_TIMEOUT_SECONDS=0.05)
+    paused = Paused(is_record_write)
+    pool = ThreadPoolExecutor(1)
+    with hook(app, paused):
+        first = start(pool, app, "slow-key", BODY, paused)
+        assert paused.reached.wait(WAIT)
+        # The first holds its uncommitted record for as long as this takes.
+        waited = post(app, "slow-key")
+        paused.release()
+        assert first.result(WAIT).status_code == 201
+    pool.shutdown()
+
+    assert waited.status_code == 409
+    assert waited.mimetype == "application/problem+json"
+    assert waited.get_json()["type"] == "/problems/idempotency-key-in-use"
+    assert waited.headers["Retry-After"] == "1"
+    # Its event went with its transaction; its retry replays the first's answer.
+    assert stored(app) == (1, [("slow-key", COMPLETED)])
+    retry = post(app, "slow-key")
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_data() == first.result().get_data()
