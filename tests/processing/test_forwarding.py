@@ -392,8 +392,11 @@ def _publish_then_die(app, clock, worker, forward_name):
     from webhook_receiver.models import Event
     from webhook_receiver.processing import forwarding
 
+    from webhook_receiver.database import unit_of_work
+
     with app.app_context():
-        claim = deliveries.claim_next(clock(), worker.lease)
+        with unit_of_work():  # the claim commits on its own, as the worker's does
+            claim = deliveries.claim_next(clock(), worker.lease)
         assert claim is not None and claim.consumer == forward_name
         event = db.session.get(Event, claim.event_id)
         out = forwarding.Outgoing(
