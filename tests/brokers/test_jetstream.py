@@ -106,3 +106,27 @@ def test_without_dead_letter_subject_a_conflict_is_terminated(make_app, jetstrea
         assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
     assert count_events(app) == 1
     assert jetstream.dead_letters() == []
+
+
+def test_dead_letter_subject_inside_the_consumed_stream_is_not_consumed_again(make_app, jetstream):
+    dead = f"{jetstream.prefix}.dead"
+    app = _app(make_app, jetstream, dedup_key="json:/payment", dead_letter_subject=dead)
+    _, body, headers = _message(1)
+    _, other, _ = _message(1, total=2)
+    jetstream.publish([("paid", body, headers), ("paid", other, {"Nats-Msg-Id": "second"})])
+    with consuming(app, SOURCE):
+        # The conflict's copy lands in the consumed stream and comes back:
+        # settled without being stored, so it is not a conflict again.
+        assert wait_until(lambda: count_conflicts(app) == 1, 30)
+        assert wait_until(
+            lambda: jetstream.pending() == (0, 0) and _stream_count(jetstream) == 3, 30
+        )
+    assert count_conflicts(app) == 1
+    assert count_events(app) == 1
+
+
+def _stream_count(stream) -> int:
+    async def go(nc):
+        return (await nc.jetstream().stream_info(stream.name)).state.messages
+
+    return stream.run(go)

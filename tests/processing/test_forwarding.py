@@ -12,7 +12,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
-from webhook_receiver.processing import deliveries, registry
+from webhook_receiver.models import Event
+from webhook_receiver.processing import deliveries, forwarding, registry
 
 from ..servers import free_port
 from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
@@ -389,11 +390,6 @@ def test_an_unexpected_error_does_not_stop_the_worker(
 
 def _publish_then_die(app, clock, worker, forward_name):
     """Claim a delivery and publish it as the worker does, then die before marking it done."""
-    from webhook_receiver.models import Event
-    from webhook_receiver.processing import forwarding
-
-    from webhook_receiver.database import unit_of_work
-
     with app.app_context():
         with unit_of_work():  # the claim commits on its own, as the worker's does
             claim = deliveries.claim_next(clock(), worker.lease)
