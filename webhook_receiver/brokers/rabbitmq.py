@@ -1,9 +1,9 @@
 """The RabbitMQ consumer: pika's BlockingConnection, manual acks after the commit.
 
-``basic_qos(prefetch_count)`` bounds a batch: the broker has at most that
-many unacknowledged messages out to us. A batch is what arrived by the
-time it is full or a short wait has passed; the inbox stores it in one
-transaction; then a run of messages to acknowledge is one ``basic_ack``
+A batch is at most ``prefetch`` messages: what arrived by the time it is
+full or a short wait has passed. The inbox stores it in one transaction,
+in a second thread, while the next batch arrives (``basic_qos`` allows two
+batches out unacknowledged); then a run of messages to acknowledge is one ``basic_ack``
 with ``multiple=True``, and a message to dead-letter a
 ``basic_nack(requeue=False)`` (the queue's dead-letter exchange gets it,
 unchanged). The database away: the batch is nacked with requeue and the
