@@ -4,36 +4,58 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIND ?= 127.0.0.1:8000
 WORKERS ?= 2
+PIDFILE := instance/run.pid
 
-.PHONY: run test lint bench clean
+.PHONY: run stop test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e . --group dev
+
+# What the app needs to run: all make run installs, so a first run is quick.
+$(VENV)/.runtime: pyproject.toml | $(PY)
+	if [ $(VENV)/.installed -nt pyproject.toml ]; then :; else $(PY) -m pip install -q -e .; fi
 	touch $@
+
+# With the test and development tools too (make test, lint, bench).
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e . --group dev
+	touch $(VENV)/.runtime $@
 
 instance/config.toml:
 	mkdir -p instance
 	cp docs/config.example.toml $@
 
+# Every entry point (gunicorn, each flask command) reads the key from here.
 instance/secret_key:
 	mkdir -p instance
-	$(PY) -c 'import secrets; print(secrets.token_hex(32))' > $@
+	umask 077 && $(PYTHON) -c 'import secrets; print(secrets.token_hex(32))' > $@
+
+# The processes `make run` supervises, one command each: add a line to add one.
+RUN_PROCESSES = \
+	-- "$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app" \
+	-- "$(VENV)/bin/flask --app wsgi worker"
+# A broker consumer too, when the config has broker sources (docs/brokers.md);
+# expanded only when `run` starts, once the config file is in place.
+RUN_PROCESSES += $(if $(shell $(VENV)/bin/flask --app wsgi consume --list 2>/dev/null),\
+	-- "$(VENV)/bin/flask --app wsgi consume")
 
 # Serve and process on the embedded SQLite default with the sample config.
-run: $(VENV)/.installed instance/config.toml instance/secret_key
-	SECRET_KEY=$$(cat instance/secret_key) $(VENV)/bin/flask --app wsgi db upgrade
-	# One worker beside gunicorn processes the deliveries; it stops (after
-	# its current delivery) when gunicorn does.
-	# Both share one metrics directory, so /metrics shows the worker's counts.
+# One SIGTERM or Ctrl-C (to make, or to the pid it prints) stops every process;
+# so does `make stop` from another shell. Both share one metrics directory,
+# so /metrics shows the worker's counts.
+run: $(VENV)/.runtime instance/config.toml instance/secret_key
+	$(VENV)/bin/flask --app wsgi db upgrade
 	mkdir -p instance/metrics
-	export SECRET_KEY=$$(cat instance/secret_key) PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics; \
-	$(VENV)/bin/flask --app wsgi worker & worker=$$!; \
-	consumer=; if [ -n "$$($(VENV)/bin/flask --app wsgi consume --list)" ]; then \
-		$(VENV)/bin/flask --app wsgi consume & consumer=$$!; fi; \
-	trap 'kill $$worker $$consumer 2>/dev/null; wait $$worker $$consumer' EXIT; \
-	$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app
+	PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics \
+	exec $(PY) bin/supervise.py --pidfile $(PIDFILE) $(RUN_PROCESSES)
+
+stop:
+	@if [ -f $(PIDFILE) ]; then \
+		pid=$$(cat $(PIDFILE)); kill $$pid 2>/dev/null || true; \
+		while kill -0 $$pid 2>/dev/null; do sleep 0.2; done; \
+		echo "stopped (pid $$pid)"; \
+	else echo "not running (no $(PIDFILE))"; fi
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)

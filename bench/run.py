@@ -21,13 +21,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import requests
 
+from .front import nginx
 from .scenarios import RUN_ID, SCENARIOS, Context, Load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +49,7 @@ class Options:
     workers: int
     connections: int
     threads: int
+    front: str = ""  # "nginx": load through deploy/nginx in front of gunicorn
 
 
 @dataclass(frozen=True)
@@ -248,8 +250,13 @@ def run_scenarios(
     for name in names:
         scenario = SCENARIOS[name]
         log_path = workdir / f"gunicorn-{db}-{name}.log"
-        with gunicorn(scenario.app, env, options.workers, log_path) as served:
+        with ExitStack() as stack:
+            served = stack.enter_context(gunicorn(scenario.app, env, options.workers, log_path))
             url = context.url = served.url
+            if options.front == "nginx" and scenario.app == "wsgi:app":
+                # The baseline stays direct: the ratios then show what the front costs.
+                front = stack.enter_context(nginx(served.url, workdir / f"nginx-{db}-{name}"))
+                url = context.url = front.url
             load = scenario.prepare(context)
             if options.warmup > 0:
                 wrk(url, load, options.warmup, options, workdir)
@@ -296,7 +303,8 @@ def describe(options: Options, pg_url: str | None) -> list[str]:
         f"- when: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit or '?'}",
         f"- machine: {os.cpu_count()} CPUs, {platform.platform()}, "
         f"Python {platform.python_version()}",
-        f"- server: gunicorn, {options.workers} sync workers, on 127.0.0.1",
+        f"- server: gunicorn, {options.workers} sync workers, on 127.0.0.1"
+        + (", behind nginx (deploy/nginx/; baseline direct)" if options.front else ""),
         f"- load: {(wrk_version.splitlines() or ['wrk'])[0].split(' [')[0]}, "
         f"{options.threads} thread(s), {options.connections} connections, "
         f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario",
@@ -330,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         help="PostgreSQL server (default: BENCH_DATABASE_URL, then TEST_DATABASE_URL)",
     )
     parser.add_argument("--profile", action="store_true", help="profile the API hot path instead")
+    parser.add_argument(
+        "--front", choices=["nginx"], default="", help="load the app through nginx (deploy/nginx/)"
+    )
     args = parser.parse_args(argv)
 
     if args.profile:
@@ -345,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     if "baseline" in SCENARIOS and "baseline" not in names:
         names.insert(0, "baseline")  # every ratio needs its baseline
-    options = Options(args.duration, args.warmup, args.workers, args.connections, args.threads)
+    options = Options(
+        args.duration, args.warmup, args.workers, args.connections, args.threads, args.front
+    )
     dbs = [d for d in args.db.split(",") if d]
     if "postgresql" in dbs and not args.pg_url:
         print("PostgreSQL skipped: set BENCH_DATABASE_URL or TEST_DATABASE_URL", file=sys.stderr)

@@ -44,6 +44,35 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _skipped_pg.append(report.nodeid)
 
 
+NO_POSTGRESQL = "skipped without PostgreSQL"
+
+
+def _skipped_for_want_of_postgresql(report: pytest.TestReport) -> bool:
+    return (
+        report.skipped
+        and isinstance(report.longrepr, tuple)
+        and "TEST_DATABASE_URL is not set" in str(report.longrepr[2])
+    )
+
+
+def pytest_report_teststatus(
+    report: pytest.TestReport, config: pytest.Config
+) -> tuple[str, str, str] | None:
+    # Their own category: -ra lists the other skips one by one, these are one count.
+    if _skipped_for_want_of_postgresql(report):
+        return NO_POSTGRESQL, "s", "SKIPPED"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    skipped = len(terminalreporter.stats.get(NO_POSTGRESQL, []))
+    if skipped:
+        terminalreporter.write_line(
+            f"{skipped} PostgreSQL test(s) skipped: TEST_DATABASE_URL is not set "
+            "(for example postgresql://postgres@127.0.0.1:5432/test)"
+        )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if CI and _skipped_pg:
         print(f"\nFAILED: {len(_skipped_pg)} PostgreSQL test(s) skipped in CI:")
@@ -129,6 +158,7 @@ def make_app(db_url: str, tmp_path: Any) -> Iterator[Callable[..., Flask]]:
             # reads it at once; tests of the batches (and every gunicorn
             # test) run the default.
             "DUPLICATE_FLUSH_SECONDS": 0,
+            "REJECTION_FLUSH_SECONDS": 0,
             "RECEIVER_CONFIG": receiver_config
             if receiver_config is not None
             else {"clients": CLIENTS},

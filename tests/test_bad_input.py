@@ -366,12 +366,21 @@ API_CASES = [
 
 def snapshot(engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in TABLES}
+        counts = {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in TABLES}
+        # Refusals are counted per source, reason, address and minute.
+        counts["rejections"] = conn.execute(
+            text("SELECT coalesce(sum(seen_count), 0) FROM rejections")
+        ).scalar_one()
+        return counts
 
 
 @pytest.fixture
 def server(db_url, tmp_path) -> Iterator[Server]:
-    env = {"WEBHOOK_RECEIVER_MAX_BODY_BYTES": str(LIMIT)}
+    # Each refusal written before its answer, so that a snapshot right after sees it.
+    env = {
+        "WEBHOOK_RECEIVER_MAX_BODY_BYTES": str(LIMIT),
+        "WEBHOOK_RECEIVER_REJECTION_FLUSH_SECONDS": "0",
+    }
     with gunicorn(db_url, CONFIG, tmp_path, workers=2, env=env) as running:
         yield running
 

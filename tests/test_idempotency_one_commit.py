@@ -76,16 +76,27 @@ def hook(app: Flask, on_statement: Callable[[Any, str], None]) -> Iterator[None]
         event.remove(engine, "after_cursor_execute", after)
 
 
+@contextmanager
+def on_checkin(app: Flask, callback: Callable[[], None]) -> Iterator[None]:
+    """Call ``callback()`` each time a connection goes back to the app's pool."""
+
+    def checkin(*_args: Any) -> None:
+        callback()
+
+    engine = engine_of(app)
+    event.listen(engine, "checkin", checkin)
+    try:
+        yield
+    finally:
+        event.remove(engine, "checkin", checkin)
+
+
 def is_event_insert(sql: str) -> bool:
     return sql.lstrip().upper().startswith("INSERT INTO EVENTS")
 
 
 def is_record_write(sql: str) -> bool:
     return sql.lstrip().upper().startswith("INSERT INTO IDEMPOTENCY_RECORDS")
-
-
-def is_record_read(sql: str) -> bool:
-    return sql.lstrip().upper().startswith("SELECT") and "idempotency_records" in sql
 
 
 # -- crashes -----------------------------------------------------------------
@@ -225,14 +236,13 @@ def hold_the_first_and_race(
     # The first request holds its record's row, written but not committed
     # (on SQLite, the claim that opens its transaction, with the write lock).
     first_paused = Paused(is_record_write)
-    second_read = Paused(is_record_read, hold=False)
-
-    def on_statement(conn: Any, sql: str) -> None:
-        first_paused(conn, sql)
-        second_read(conn, sql)
+    # Reading the key is a request's first use of a connection (on the
+    # driver, unseen by statement hooks): when the second request gives its
+    # first connection back, it has read the key.
+    second_read = Paused(lambda _what: True, hold=False)
 
     pool = ThreadPoolExecutor(2)
-    with hook(app, on_statement):
+    with hook(app, first_paused), on_checkin(app, lambda: second_read(None, "checkin")):
         first = start(pool, app, key, BODY, first_paused)
         assert first_paused.reached.wait(WAIT)
         second = start(pool, app, key, second_body, second_read)

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import delete, insert, select
 
-from webhook_receiver.database import is_sqlite
+from webhook_receiver.database import is_sqlite, unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.idempotency import decorator, records
 from webhook_receiver.models import Event, IdempotencyRecord, utcnow
@@ -178,7 +178,8 @@ class RecordMachine(RuleBasedStateMachine):
             return
         _effect(holder.key, holder.generation)
         db.session.rollback()
-        records.release(holder.claimed)
+        with unit_of_work():
+            records.release(holder.claimed)
         if expected:
             del self.model[holder.key]
         else:
@@ -198,7 +199,10 @@ class RecordMachine(RuleBasedStateMachine):
 
     @rule()
     def purge(self) -> None:
-        records.purge_expired(self.now, 1)
+        while True:
+            with unit_of_work():
+                if not records.purge_expired_batch(self.now, 1):
+                    break
         for key, live in list(self.model.items()):
             if live.expires_at <= self.now:
                 del self.model[key]

@@ -76,6 +76,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     correlation.init_app(app)
     observability.init_app(app)
 
+    from . import openapi, problem_pages
+
+    problem_pages.init_app(app)
+    openapi.init_app(app)
+
     from .admin import bp as admin_bp
     from .api import bp as api_bp
     from .health import bp as health_bp
@@ -102,6 +107,10 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     app.cli.add_command(consume_command)
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
+
+    from . import cli
+
+    cli.init_app(app)
     return app
 
 
@@ -119,16 +128,46 @@ def _load_file_config(app: Flask) -> None:
     app.config["FILE_CONFIG"] = cfg.load_file(path, required=bool(explicit))
 
 
+SECRET_KEY_FILE = "secret_key"
+_MAKE_A_KEY = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
 def _check_secret_key(app: Flask) -> None:
-    key = app.config.get("SECRET_KEY")
+    # Every entry point (gunicorn, each flask command, tests) finds the key
+    # the same way: SECRET_KEY given, else the instance folder's secret_key
+    # file, which `make run` writes.
+    key = app.config.get("SECRET_KEY") or _read_key_file(app.instance_path)
     if app.debug or app.testing:
         app.config["SECRET_KEY"] = key or cfg.DEV_SECRET_KEY
         return
-    if not key or key == cfg.DEV_SECRET_KEY or len(str(key)) < 16:
+    if key and (key == cfg.DEV_SECRET_KEY or len(str(key)) < 16):
         raise cfg.ConfigError(
-            "SECRET_KEY is missing or too short: set it to a long random value "
-            "(python -c 'import secrets; print(secrets.token_hex(32))')"
+            f"SECRET_KEY is too short or a placeholder: set a long random value ({_MAKE_A_KEY})"
         )
+    if not key and app.config.get("ADMIN_PASSWORD"):
+        # Only the admin signs anything (its session cookie and CSRF tokens):
+        # the receiver, the worker and purge run without a key.
+        path = os.path.join(app.instance_path, SECRET_KEY_FILE)
+        raise cfg.ConfigError(
+            "SECRET_KEY is missing and the admin needs it to sign its sessions: "
+            f"run `make instance/secret_key` (make run does), or write one to {path}, "
+            f"or set SECRET_KEY ({_MAKE_A_KEY})"
+        )
+    app.config["SECRET_KEY"] = key or None
+
+
+def _read_key_file(instance_path: str) -> str | None:
+    path = os.path.join(instance_path, SECRET_KEY_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            key = fh.read().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise cfg.ConfigError(f"{path}: cannot be read: {exc}") from exc
+    if not key:
+        raise cfg.ConfigError(f"{path} is empty: delete it and run `make instance/secret_key`")
+    return key
 
 
 def _check_retention(app: Flask) -> None:

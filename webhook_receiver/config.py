@@ -20,7 +20,17 @@ from urllib.parse import urlsplit, urlunsplit
 # The providers a source may name; webhooks.providers registers one
 # implementation for each, and checks at import that the two lists agree.
 PROVIDER_NAMES = frozenset(
-    {"stripe", "github", "gitlab", "standard", "shopify", "slack", "cloudevents", "generic"}
+    {
+        "stripe",
+        "github",
+        "gitlab",
+        "standard",
+        "shopify",
+        "slack",
+        "cloudevents",
+        "generic",
+        "paddle",
+    }
 )
 # Broker sources are consumed by ``flask consume`` (webhook_receiver.brokers),
 # never received over HTTP, so they are kept apart from the providers above.
@@ -61,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     # Redeliveries' counts and times are written in batches this often (see
     # duplicates.py); 0 writes each in its own request.
     "DUPLICATE_FLUSH_SECONDS": 1.0,
+    # Refused deliveries are counted per source, reason, address and minute,
+    # and written this often (see rejections.py); 0 writes each at once.
+    "REJECTION_FLUSH_SECONDS": 1.0,
     "SQLALCHEMY_ENGINE_OPTIONS": {},
     # The delivery worker (webhook_receiver.processing). A lease must outlast
     # the slowest forward: connect and read timeouts both count.
@@ -95,6 +108,7 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "ADMIN_LOGIN_WINDOW_SECONDS": (int, 1),
     "ADMIN_PAGE_SIZE": (int, 1),
     "DUPLICATE_FLUSH_SECONDS": (float, 0),
+    "REJECTION_FLUSH_SECONDS": (float, 0),
     "WORKER_LEASE_SECONDS": (float, 0.1),
     "WORKER_POLL_SECONDS": (float, 0.001),
     "WORKER_MAX_ATTEMPTS": (int, 1),
@@ -385,8 +399,24 @@ _SOURCE_KEYS = {
     "dedup_key",
     *_PROCESSING_KEYS,
 }
+# The configurable HMAC scheme of generic and cloudevents sources (see
+# docs/providers.md); each key's default is today's scheme: HMAC-SHA256, hex,
+# of the body, an optional "<word>=" prefix.
+HMAC_SCHEME_KEYS = frozenset(
+    {"algorithm", "encoding", "signature_prefix", "signed_content", "timestamp_header", "id_header"}
+)
+HMAC_ALGORITHMS = ("sha1", "sha256", "sha512")
+HMAC_ENCODINGS = ("hex", "base64")
+# What signed_content may hold besides literal text.
+SIGNED_PLACEHOLDERS = ("body", "timestamp", "id")
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+# A secret written "base64:<data>" is these raw bytes; any other is its UTF-8.
+BASE64_SECRET_PREFIX = "base64:"
 # What a provider reads beyond the common keys (into SourceConfig.extra).
-_PROVIDER_KEYS: dict[str, frozenset[str]] = {"generic": frozenset({"event_type"})}
+_PROVIDER_KEYS: dict[str, frozenset[str]] = {
+    "generic": frozenset({"event_type"}) | HMAC_SCHEME_KEYS,
+    "cloudevents": HMAC_SCHEME_KEYS,
+}
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"}
 # Keys only some forward URL schemes read.
@@ -677,6 +707,8 @@ def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
         for secret in secrets:
             if not _is_standard_secret(secret):
                 raise ConfigError(f"{where} secrets must be whsec_<base64> for provider standard")
+    if provider in ("generic", "cloudevents"):
+        _check_hmac_scheme(table, secrets, where)
     allowed = _SOURCE_KEYS | _PROVIDER_KEYS.get(provider, frozenset())
     unknown = set(table) - allowed
     if unknown:
@@ -705,5 +737,70 @@ def _is_standard_secret(secret: str) -> bool:
         return False
     try:
         return bool(base64.b64decode(secret[len("whsec_") :], validate=True))
+    except (binascii.Error, ValueError):
+        return False
+
+
+def signed_content_parts(template: str) -> list[str]:
+    """Split a signed_content template into literal text and ``{name}`` placeholders (ValueError).
+
+    Odd indexes of the result are placeholder names, even ones literal text.
+    """
+    parts = _PLACEHOLDER.split(template)
+    literals, names = parts[0::2], parts[1::2]
+    if any("{" in text or "}" in text for text in literals):
+        raise ValueError("a brace outside a {body}, {timestamp} or {id} placeholder")
+    unknown = sorted(set(names) - set(SIGNED_PLACEHOLDERS))
+    if unknown:
+        raise ValueError(f"unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}")
+    if names.count("body") != 1:
+        raise ValueError("{body} must appear exactly once")
+    if any(names.count(name) > 1 for name in names):
+        raise ValueError("a placeholder appears more than once")
+    return parts
+
+
+def _check_hmac_scheme(table: dict[str, Any], secrets: list[str], where: str) -> None:
+    """Refuse at start-up what the configurable HMAC scheme could not verify."""
+    for key, choices in (("algorithm", HMAC_ALGORITHMS), ("encoding", HMAC_ENCODINGS)):
+        if key in table and table[key] not in choices:
+            raise ConfigError(f"{where} {key} must be one of {', '.join(choices)}")
+    for key in ("signature_prefix", "timestamp_header", "id_header"):
+        value = table.get(key)
+        if key in table and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{where} {key} must be a non-empty string")
+    template = table.get("signed_content", "{body}")
+    if not isinstance(template, str):
+        raise ConfigError(f"{where} signed_content must be a string such as '{{body}}'")
+    try:
+        names = signed_content_parts(template)[1::2]
+    except ValueError as exc:
+        raise ConfigError(f"{where} signed_content {template!r}: {exc}") from exc
+    # A header the signature does not cover proves nothing, and a placeholder
+    # without its header could never be filled: both are mistakes.
+    for name, key in (("timestamp", "timestamp_header"), ("id", "id_header")):
+        if name in names and key not in table:
+            raise ConfigError(
+                f"{where} signed_content uses {{{name}}} but {key} is not set: "
+                f"name the header that carries the {name}"
+            )
+        if key in table and name not in names:
+            raise ConfigError(
+                f"{where} {key} is set but signed_content does not use {{{name}}}: "
+                "an unsigned header proves nothing"
+            )
+    for secret in secrets:
+        if secret.startswith(BASE64_SECRET_PREFIX) and not _is_base64(
+            secret[len(BASE64_SECRET_PREFIX) :]
+        ):
+            raise ConfigError(f"{where} a secret written 'base64:...' must be non-empty base64")
+
+
+def _is_base64(data: str) -> bool:
+    import base64
+    import binascii
+
+    try:
+        return bool(base64.b64decode(data, validate=True))
     except (binascii.Error, ValueError):
         return False

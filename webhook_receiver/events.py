@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -11,17 +12,33 @@ from .models import Event
 
 _t = Event.__table__
 
-# Header values that authenticate or sign a request are never stored.
-ALWAYS_REDACTED = frozenset({"authorization", "cookie", "set-cookie", "proxy-authorization"})
+# Header values that authenticate or sign a request are never stored: these
+# names, any name matching SECRET_NAME (X-Api-Key, X-Auth-Token,
+# X-Gitlab-Token, X-Shopify-Hmac-Sha256, ...), and each provider's own.
+ALWAYS_REDACTED = frozenset(
+    {"authorization", "cookie", "set-cookie", "proxy-authorization", "x-amz-security-token"}
+)
+SECRET_NAME = re.compile(
+    r"token|secret|signature|passw|api[-_]?key|access[-_]?key|auth|session|cookie|credential|hmac",
+    re.IGNORECASE,
+)
 REDACTED = "[redacted]"
+
+
+def is_secret_header(name: str) -> bool:
+    """Tell whether a header's name says its value may carry a credential."""
+    return name.lower() in ALWAYS_REDACTED or SECRET_NAME.search(name) is not None
 
 
 def redact_headers(
     headers: Iterable[tuple[str, str]], secret_names: Iterable[str] = ()
 ) -> list[list[str]]:
     """Return the headers as [name, value] pairs with secret-bearing values redacted."""
-    secret = ALWAYS_REDACTED | {name.lower() for name in secret_names}
-    return [[name, REDACTED if name.lower() in secret else value] for name, value in headers]
+    listed = {name.lower() for name in secret_names}
+    return [
+        [name, REDACTED if name.lower() in listed or is_secret_header(name) else value]
+        for name, value in headers
+    ]
 
 
 def get_event(event_id: int) -> Event | None:

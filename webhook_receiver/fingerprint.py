@@ -20,6 +20,10 @@ class JSONError(ValueError):
     """The bytes are not strict JSON (bad UTF-8, syntax, NaN, or nested too deep)."""
 
 
+class _Refused(JSONError):
+    """Raised from inside the parser: its message is already the whole story."""
+
+
 # Deeper documents are refused. Python's own recursion limit depends on how
 # deep the stack already is, so without a fixed bound a document could parse
 # in one place and fail to serialise in another (a 500). Payloads are a few
@@ -37,7 +41,33 @@ _PASSES = 8
 
 
 def _reject_constant(name: str) -> Any:
-    raise JSONError(f"{name} is not valid JSON")
+    raise _Refused(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    # 1e400 parses as inf: it would be stored, then answered as Infinity
+    # (not JSON), and every overflowing number would be the same value.
+    value = float(text)
+    if value in (_INF, -_INF):
+        raise _Refused(f"the number {text[:40]} does not fit a double")
+    return value
+
+
+_INF = float("inf")
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # RFC 8259 leaves repeated names undefined and I-JSON (RFC 7493) forbids
+    # them: a reader keeping the first would see another document than the
+    # one fingerprinted and stored (json keeps the last).
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _Refused(f"the member name {name[:40]!r} appears twice in one object")
+            seen.add(name)
+    return value
 
 
 def loads(body: bytes) -> Any:
@@ -47,7 +77,14 @@ def loads(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise JSONError("body is not valid UTF-8") from exc
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_finite,
+            object_pairs_hook=_unique_members,
+        )
+    except _Refused as exc:
+        raise JSONError(str(exc)) from exc
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
     except ValueError as exc:

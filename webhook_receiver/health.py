@@ -20,16 +20,29 @@ def healthz() -> Response:
     return jsonify(status="ok")
 
 
+# A write that changes nothing, rolled back: ready means able to store a
+# delivery, and a database that answers reads may still refuse every write
+# (a read-only file or mount, a standby, default_transaction_read_only).
+# It comes first: on SQLite a transaction must open with its write.
+_WRITE_PROBE = text("UPDATE alembic_version SET version_num = version_num")
+
+
 @bp.get("/readyz")
 def readyz() -> Response:
-    """Answer 200 when the database answers with the current schema, else 503."""
+    """Answer 200 when the database takes writes and has the current schema, else 503."""
     try:
+        db.session.execute(_WRITE_PROBE)
         version = db.session.execute(text("SELECT version_num FROM alembic_version")).scalar()
     except Exception as exc:
         db.session.rollback()
-        # Unreachable, or reachable with no schema yet (an SQLite file is
-        # created on first connect): either way not ready to take traffic.
-        raise Problem("database-unavailable", headers={"Retry-After": "5"}) from exc
+        # Unreachable, read-only, or reachable with no schema yet (an SQLite
+        # file is created on first connect): not ready to take traffic.
+        current_app.logger.warning("not ready: %s", exc)
+        raise Problem(
+            "database-unavailable",
+            "the database cannot be reached or does not take writes",
+            headers={"Retry-After": "5"},
+        ) from exc
     finally:
         db.session.rollback()
     head = _migration_head(current_app.extensions["migrate"].directory)

@@ -132,10 +132,17 @@ class EventConflict(Model):
 
 
 class Rejection(Model):
-    """A delivery refused before storage (bad signature, stale timestamp): counted, no body."""
+    """Deliveries refused before storage (bad signature, stale timestamp): counted, no body.
+
+    One row per source, reason, address and minute (``received_at``, cut to
+    the minute), with how many came: a flood of forgeries adds to a count.
+    """
 
     __tablename__ = "rejections"
-    __table_args__ = (Index("ix_rejections_received_at", "received_at"),)
+    __table_args__ = (
+        Index("ix_rejections_received_at", "received_at"),
+        UniqueConstraint("source", "reason", "remote_addr", "received_at"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     source: Mapped[str] = mapped_column(String(200))
@@ -143,6 +150,8 @@ class Rejection(Model):
     detail: Mapped[str | None] = mapped_column(String(500))
     remote_addr: Mapped[str | None] = mapped_column(String(100))
     received_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    seen_count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class IdempotencyRecord(Model):
@@ -211,6 +220,19 @@ class EntityVersion(Model):
     version: Mapped[str] = mapped_column(String(100))
     event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class AdminSession(Model):
+    """An open admin session, so that logging out ends it on the server, not only in the cookie."""
+
+    __tablename__ = "admin_sessions"
+    __table_args__ = (Index("ix_admin_sessions_expires_at", "expires_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    # SHA-256 of the random id the cookie carries: a copy of the table opens nothing.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class AdminLoginFailure(Model):

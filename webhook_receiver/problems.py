@@ -2,7 +2,7 @@
 
 Every refusal the receiver makes has its own ``type`` here, so clients can
 tell the cases apart without parsing ``detail``. Each type is also served as
-a short description at ``/problems/<slug>``.
+a description at ``/problems/<slug>`` (problem_pages.py).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import Blueprint, Flask, Response, abort, request
+from flask import Flask, Response, request
+from gunicorn.http.errors import ParseException
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
 # slug -> (status, title)
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
@@ -109,8 +110,14 @@ def _refuse_streamed_body_over_the_limit() -> None:
     limit = request.max_content_length
     if limit is None or request.content_length is not None:
         return
-    if len(request.get_data(cache=True)) >= limit and request.environ["wsgi.input"].read(1):
-        raise RequestEntityTooLarge()
+    try:
+        if len(request.get_data(cache=True)) >= limit and request.environ["wsgi.input"].read(1):
+            raise RequestEntityTooLarge()
+    except (ParseException, OSError) as exc:
+        # The server cannot read the chunks (a size line that is not hex, or
+        # too large, a missing CRLF, the client gone): the request is
+        # malformed, whatever path it was sent to.
+        raise BadRequest("the chunked request body is malformed") from exc
 
 
 def init_app(app: Flask) -> None:
@@ -145,21 +152,6 @@ def init_app(app: Flask) -> None:
             return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
         app.logger.exception("database error")
         return problem_response(Problem("internal-error"))
-
-    problems = Blueprint("problems", __name__)
-
-    @problems.get("/problems/<slug>")
-    def describe(slug: str) -> Response:
-        """Describe one problem type."""
-        if slug not in PROBLEM_TYPES:
-            abort(404)
-        status, title = PROBLEM_TYPES[slug]
-        return Response(
-            json.dumps({"type": f"/problems/{slug}", "title": title, "status": status}),
-            mimetype="application/json",
-        )
-
-    app.register_blueprint(problems)
 
 
 def _is_unavailable(exc: DBAPIError) -> bool:

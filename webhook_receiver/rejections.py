@@ -1,34 +1,252 @@
-"""Refused deliveries (bad signature, stale timestamp), recorded for operators.
+"""Refused deliveries (bad signature, stale timestamp), counted for operators.
+
+A refusal costs the sender nothing, so a flood of forgeries must not cost a
+write each: 1,925 refused requests in 2 s once made 1,925 rows, each a turn
+at SQLite's single write lock that real deliveries queued behind. Refusals
+are therefore counted per source, reason, address and minute (one row with
+a ``seen_count``), and each process adds up what it refused in memory and
+writes it in one short transaction every ``REJECTION_FLUSH_SECONDS`` (and
+when it exits). A flood from one address is one row a minute and one write
+a second per process, whatever its rate; one from many addresses is bounded
+by ``MAX_PENDING`` keys waiting, past which refusals are counted only in the
+metrics (and a log line says how many were dropped).
 
 Recording a refusal must never turn it into a 5xx: if the database is away,
-the 401 still stands.
+the 401 still stands, and the counts wait for the next round.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
-from sqlalchemy import insert
+from flask import Flask, current_app
+from sqlalchemy import case
+from sqlalchemy.engine import Engine
 
+from .database import writer_turn
 from .extensions import db
 from .models import Rejection, utcnow
 
 log = logging.getLogger(__name__)
 
+EXTENSION = "webhook_receiver.rejections"
+MAX_PENDING = 10_000
+DETAIL_LENGTH = 500
+ADDRESS_LENGTH = 100
+
+_t = Rejection.__table__
+
+
+@dataclass(frozen=True)
+class _Key:
+    source: str
+    reason: str
+    remote_addr: str
+    minute: datetime
+
+
+@dataclass
+class _Tally:
+    count: int
+    detail: str
+    last_seen_at: datetime
+
+
+class RejectionCounter:
+    """One process's refusals not yet written, added up per key, and the thread that writes them."""
+
+    def __init__(self, engine: Engine, flush_seconds: float) -> None:
+        self.engine = engine
+        self.flush_seconds = flush_seconds
+        self._pending: dict[_Key, _Tally] = {}
+        self._dropped = 0
+        self._lock = threading.Lock()  # guards _pending and _dropped
+        self._flushing = threading.Lock()  # one write at a time (thread and exit)
+        self._due = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        _COUNTERS.add(self)
+
+    def record(self, key: _Key, detail: str, at: datetime) -> None:
+        """Count one refusal; it is written within the flush interval."""
+        with self._lock:
+            tally = self._pending.get(key)
+            if tally is not None:
+                tally.count += 1
+                tally.last_seen_at = max(tally.last_seen_at, at)
+            elif len(self._pending) < MAX_PENDING:
+                self._pending[key] = _Tally(1, detail, at)
+            else:
+                self._dropped += 1
+        if self.flush_seconds == 0:
+            self.flush()
+            return
+        self._start_thread()
+        self._due.set()
+
+    def pending(self) -> int:
+        """How many refusals wait to be written."""
+        with self._lock:
+            return sum(t.count for t in self._pending.values())
+
+    def flush(self) -> int:
+        """Write what is pending now; return how many refusals were written (0 if it failed)."""
+        with self._flushing:
+            with self._lock:
+                batch, self._pending = self._pending, {}
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                log.error(
+                    "dropped %d refused deliveries from the counts (more than %d keys waiting)",
+                    dropped,
+                    MAX_PENDING,
+                    extra={"outcome": "rejections_dropped"},
+                )
+            if not batch:
+                return 0
+            try:
+                self._write(batch)
+            except Exception:
+                log.warning(
+                    "could not record %d refused deliveries; will try again",
+                    sum(t.count for t in batch.values()),
+                    exc_info=True,
+                )
+                self._put_back(batch)
+                return 0
+            return sum(t.count for t in batch.values())
+
+    def close(self) -> None:
+        """Stop the thread and write what is pending."""
+        self._closing.set()
+        self._due.set()
+        thread = self._thread
+        if thread is not None and self._pid == os.getpid():
+            thread.join(timeout=self.flush_seconds + 30)
+        self.flush()
+
+    def _write(self, batch: dict[_Key, _Tally]) -> None:
+        stmt = self._insert()
+        # A later batch (or another process) adds to the minute's row.
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["source", "reason", "remote_addr", "received_at"],
+            set_={
+                "seen_count": _t.c.seen_count + stmt.excluded.seen_count,
+                "last_seen_at": case(
+                    (_t.c.last_seen_at < stmt.excluded.last_seen_at, stmt.excluded.last_seen_at),
+                    else_=_t.c.last_seen_at,
+                ),
+            },
+        )
+        rows = [
+            {
+                "source": key.source,
+                "reason": key.reason,
+                "remote_addr": key.remote_addr,
+                "received_at": key.minute,
+                "detail": tally.detail,
+                "seen_count": tally.count,
+                "last_seen_at": tally.last_seen_at,
+            }
+            # Rows in key order: two processes' batches never deadlock.
+            for key, tally in sorted(
+                batch.items(),
+                key=lambda kv: (kv[0].minute, kv[0].source, kv[0].reason, kv[0].remote_addr),
+            )
+        ]
+        with writer_turn(self.engine), self.engine.begin() as conn:
+            for row in rows:  # one upsert each: executemany cannot take ON CONFLICT's excluded
+                conn.execute(stmt, row)
+
+    def _insert(self) -> Any:
+        # The engine's own dialect: this runs on the counter's thread, outside the app.
+        if self.engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(_t)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(_t)
+
+    def _put_back(self, batch: dict[_Key, _Tally]) -> None:
+        with self._lock:
+            for key, tally in batch.items():
+                mine = self._pending.get(key)
+                if mine is not None:
+                    mine.count += tally.count
+                    mine.last_seen_at = max(mine.last_seen_at, tally.last_seen_at)
+                elif len(self._pending) < MAX_PENDING:
+                    self._pending[key] = tally
+                else:
+                    self._dropped += tally.count
+        if self.flush_seconds:
+            self._due.set()  # try again after the interval
+
+    def _start_thread(self) -> None:
+        # A forked gunicorn worker has no copy of its parent's thread.
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="rejections", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            if self._closing.wait(self.flush_seconds):
+                return
+            self._due.clear()
+            self.flush()
+
+
+_COUNTERS: weakref.WeakSet[RejectionCounter] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # A worker stopped gracefully writes the refusals it counted before it goes.
+    for counter in list(_COUNTERS):
+        if counter._pid == os.getpid():
+            counter.flush()
+
 
 def record(source: str, reason: str, detail: str, remote_addr: str | None) -> None:
-    """Store one refused delivery of ``source``; log, never raise, if it cannot be stored."""
+    """Count one refused delivery of ``source``; log, never raise, if it cannot be stored."""
+    now = utcnow()
+    key = _Key(
+        source=source,
+        reason=reason,
+        # "" rather than NULL: NULLs never meet in a unique constraint.
+        remote_addr=(remote_addr or "")[:ADDRESS_LENGTH],
+        minute=now.replace(second=0, microsecond=0),
+    )
     try:
-        db.session.execute(
-            insert(Rejection.__table__).values(
-                source=source,
-                reason=reason,
-                detail=detail[:500],
-                remote_addr=(remote_addr or "")[:100] or None,
-                received_at=utcnow(),
-            )
-        )
-        db.session.commit()
+        counter(current_app).record(key, detail[:DETAIL_LENGTH], now)
     except Exception:
-        db.session.rollback()
         log.warning("could not record a refused delivery", exc_info=True)
+
+
+_CREATING = threading.Lock()
+
+
+def counter(app: Flask) -> RejectionCounter:
+    """The app's refusal counter, made on the first refusal."""
+    found: RejectionCounter | None = app.extensions.get(EXTENSION)
+    if found is None:
+        with _CREATING:
+            found = app.extensions.get(EXTENSION)
+            if found is None:
+                seconds = float(app.config.get("REJECTION_FLUSH_SECONDS", 1.0))
+                found = app.extensions[EXTENSION] = RejectionCounter(db.engine, seconds)
+    return found

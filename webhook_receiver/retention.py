@@ -167,7 +167,12 @@ def purge(now: datetime, batch_size: int) -> PurgeReport:
         report.events_kept += kept
         if deleted:
             report.per_source[scope.label] = deleted
-    report.idempotency_records = records.purge_expired(now, batch_size)
+    while True:
+        with unit_of_work():
+            purged = records.purge_expired_batch(now, batch_size)
+        report.idempotency_records += purged
+        if purged < batch_size:
+            break
     for scope in _scopes(_rejections.c.source, now, config, with_clients=False):
         report.rejections += _purge_scope(
             _rejections, _rejections.c.received_at, scope, batch_size

@@ -13,12 +13,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import requests
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, utcnow
 
 from ..conftest import ACME_TOKEN, CI
-from ..servers import ROOT, gunicorn
+from ..servers import ROOT, gunicorn, wait_until
 from .conftest import PASSWORD, conflict, delivery, duplicate, event
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -172,6 +173,39 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             page.screenshot(
                 path=str(ARTIFACTS / f"admin-event-requeued-{engine}.png"), full_page=True
             )
+
+            # An API event, found by the Idempotency-Key its client sent; its replay
+            # is one of its duplicates.
+            order = {"type": "order.created", "data": {"order": 42}}
+            api_headers = {"Authorization": f"Bearer {ACME_TOKEN}", "Idempotency-Key": "order-42"}
+            created = requests.post(
+                f"{server.url}/api/events", json=order, headers=api_headers, timeout=30
+            )
+            assert created.status_code == 201, created.text
+            replayed = requests.post(
+                f"{server.url}/api/events", json=order, headers=api_headers, timeout=30
+            )
+            assert replayed.headers["Idempotent-Replayed"] == "true"
+            page.click("nav >> text=Events")
+            page.wait_for_url(f"{server.url}/admin/events")
+            page.fill("input[name=q]", "order-42")
+            page.click("form.filters button[type=submit]")
+            page.wait_for_url(re.compile(r".*q=order-42.*"))
+            rows = page.locator("#events tbody tr")
+            assert rows.count() == 1
+            assert "order-42" in rows.first.inner_text()
+            rows.first.locator("a").first.click()
+            page.wait_for_url(f"{server.url}/admin/events/{created.json()['id']}")
+            assert page.locator("#key").inner_text() == "order-42"
+            assert page.locator("dd.event-type").inner_text() == "order.created"
+
+            def replay_shown() -> bool:
+                page.reload()
+                return page.locator("#duplicates li").count() == 1
+
+            # Redeliveries are written in batches, within a second.
+            assert wait_until(replay_shown, timeout=20, interval=0.5)
+            page.screenshot(path=str(ARTIFACTS / f"admin-api-event-{engine}.png"), full_page=True)
 
             # The conflict, side by side.
             page.click("nav >> text=Conflicts")

@@ -48,7 +48,7 @@ def test_redaction_catches_credentials_the_store_kept():
         ("Authorization", "[redacted]"),
         ("X-Gitlab-Token", "[redacted]"),
         ("X-Api-Key", "[redacted]"),
-        ("Stripe-Signature", "t=1,v1=abc"),
+        ("Stripe-Signature", "[redacted]"),
     ]
     assert presenters.redact(None) == []
 
@@ -86,8 +86,27 @@ def test_chart_layout():
     assert last.duplicates.height == pytest.approx(last.received.height / 2, abs=0.1)
     assert last.duplicates.x > last.received.x
     assert chart.columns[0].received.height == 0
-    assert [t[1] for t in chart.ticks] == [0, 5, 10]
+    assert [t[1] for t in chart.ticks] == [0, 2, 4, 6, 8, 10]
     assert chart.columns[0].label == "13:00" and chart.columns[1].label == ""
+
+
+@pytest.mark.parametrize(
+    ("highest", "ticks"),
+    [
+        (1, [0, 1]),
+        (5, [0, 1, 2, 3, 4, 5]),
+        (7, [0, 2, 4, 6, 8]),
+        (137, [0, 50, 100, 150]),
+        (1000, [0, 200, 400, 600, 800, 1000]),
+    ],
+)
+def test_chart_ticks_are_round_and_evenly_spaced(highest, ticks):
+    hours = presenters.hours_ending(datetime(2024, 5, 1, 12, tzinfo=UTC), 24)
+    chart = presenters.hourly_chart(hours, {hours[-1]: highest}, {})
+    assert [t[1] for t in chart.ticks] == ticks
+    gaps = [a[0] - b[0] for a, b in zip(chart.ticks, chart.ticks[1:], strict=False)]
+    assert max(gaps) - min(gaps) <= 0.2  # evenly spaced on the axis (to its rounding)
+    assert chart.ticks[-1][0] <= chart.columns[-1].received.y  # the bar stays under the top
 
 
 def test_cursor_round_trip_keeps_microseconds():

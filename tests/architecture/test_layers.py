@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.brokers": 4,
     "webhook_receiver.health": 4,
     "webhook_receiver.openapi": 4,
+    "webhook_receiver.problem_pages": 4,
+    "webhook_receiver.cli": 4,
     "webhook_receiver.problems": 4,
     "webhook_receiver.sessions": 4,
     "webhook_receiver.idempotency": 4,

@@ -115,3 +115,23 @@ def test_signature_checks() -> None:
     with pytest.raises(SignatureError, match="no signature header configured"):
         P.verify(d, source("cloudevents", SECRET))
     P.verify(d, source("cloudevents", "other", SECRET, signature_header="x-signature"))
+
+
+def test_handshake_allows_the_origin() -> None:
+    from werkzeug.datastructures import Headers
+
+    answer = P.handshake(Headers({"WebHook-Request-Origin": "eventgrid.azure.net"}), SRC)
+    assert answer == {"WebHook-Allowed-Origin": "eventgrid.azure.net", "Allow": "POST, OPTIONS"}
+    asked = Headers(
+        {"WebHook-Request-Origin": "eventgrid.azure.net", "WebHook-Request-Rate": "120"}
+    )
+    assert P.handshake(asked, SRC)["WebHook-Allowed-Rate"] == "*"
+    assert P.handshake(Headers({}), SRC) is None
+
+
+@pytest.mark.parametrize("origin", ["a b", "<script>", "x" * 254, "-leading.example"])
+def test_handshake_refuses_what_is_not_a_host_name(origin: str) -> None:
+    from werkzeug.datastructures import Headers
+
+    with pytest.raises(PayloadError, match="WebHook-Request-Origin"):
+        P.handshake(Headers({"WebHook-Request-Origin": origin}), SRC)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from webhook_receiver.webhooks.providers import (
     GitHubProvider,
@@ -108,3 +110,85 @@ def test_a_delivery_id_sent_twice_is_refused() -> None:
     # Joined with a comma by the server, it would be a new key each time.
     with pytest.raises(PayloadError, match="X-GitHub-Delivery header was sent more than once"):
         P.identify(delivery(**{"X-GitHub-Delivery": f"{DELIVERY},{DELIVERY}"}), source("github"))
+
+
+FORM = "application/x-www-form-urlencoded"
+
+
+def form_delivery(body: str, secret: str = SECRET):
+    h = {
+        "X-GitHub-Event": "issues",
+        "X-GitHub-Delivery": DELIVERY,
+        "X-Hub-Signature-256": "sha256=" + hex_hmac(secret, body.encode()),
+    }
+    return inbound(body, h, content_type=FORM)
+
+
+def test_form_delivery_is_verified_over_the_raw_form_then_decoded() -> None:
+    from urllib.parse import urlencode
+
+    form = urlencode({"payload": BODY})
+    d = form_delivery(form)
+    assert d.json is None  # a form body is not JSON
+    P.verify(d, source("github", SECRET))
+    decoded = P.decode(d, source("github", SECRET))
+    assert decoded.json == json.loads(BODY)
+    assert decoded.body == form.encode()  # the raw bytes stay as sent
+    ident = P.identify(decoded, source("github", SECRET))
+    assert (ident.dedup_key, ident.event_type) == (DELIVERY, "issues.opened")
+
+
+def test_form_signature_covers_the_form_not_the_json() -> None:
+    from urllib.parse import urlencode
+
+    d = form_delivery(urlencode({"payload": BODY}))
+    signed_json = {
+        **dict(d.headers),
+        "X-Hub-Signature-256": "sha256=" + hex_hmac(SECRET, BODY.encode()),
+    }
+    with pytest.raises(SignatureError):
+        P.verify(inbound(d.body, signed_json, content_type=FORM), source("github", SECRET))
+
+
+def test_json_delivery_is_not_decoded() -> None:
+    d = delivery()
+    assert P.decode(d, source("github", SECRET)) is d
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ("", "exactly one payload field"),
+        ("other=1", "exactly one payload field"),
+        ("payload=%7B%7D&payload=%7B%7D", "exactly one payload field"),
+        ("payload=not-json", "the payload field is not JSON"),
+        ("payload=%FF", "cannot be read"),
+        ("payload=%7B%7D&&", "cannot be read"),
+        ("payload=é", "cannot be read"),
+        ("&".join(f"f{i}=1" for i in range(20)), "cannot be read"),
+    ],
+)
+def test_unreadable_forms_are_payload_errors(form: str, message: str) -> None:
+    with pytest.raises(PayloadError, match=message):
+        P.decode(form_delivery(form), source("github", SECRET))
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.dictionaries(st.text(max_size=8), _JSON, max_size=6), indent=st.booleans())
+def test_a_form_delivery_reads_as_the_json_delivery_of_the_same_content(payload, indent) -> None:
+    from urllib.parse import urlencode
+
+    from webhook_receiver.fingerprint import canonical_json
+
+    text = json.dumps(payload, indent=2 if indent else None, ensure_ascii=indent)
+    decoded = P.decode(form_delivery(urlencode({"payload": text})), source("github", SECRET))
+    assert canonical_json(decoded.json) == canonical_json(json.loads(text))

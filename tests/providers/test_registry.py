@@ -56,3 +56,17 @@ def test_redacted_headers_add_the_configured_signature_header() -> None:
         "webhook-timestamp",
         "svix-timestamp",
     }
+
+
+def test_redacted_headers_add_the_configured_timestamp_header() -> None:
+    configured = source(
+        "generic",
+        "s",
+        signature_header="X-Signature",
+        extra={"signed_content": "{timestamp}.{body}", "timestamp_header": "X-Timestamp"},
+    )
+    assert redacted_headers(configured) == {"x-signature", "x-timestamp"}
+
+
+def test_paddle_signature_is_redacted() -> None:
+    assert redacted_headers(source("paddle", "s")) == {"paddle-signature"}

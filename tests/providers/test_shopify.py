@@ -99,3 +99,46 @@ def test_event_id_is_never_the_key() -> None:
     d = inbound(BODY, {"X-Shopify-Event-Id": EVENT_ID})
     with pytest.raises(MissingKeyError):
         P.identify(d, source("shopify", SECRET))
+
+
+def events_delivery(body: str = BODY, secret: str = SECRET, **extra: str):
+    """The unprefixed family, as @shopify/shopify-api's "events" webhook type reads it."""
+    h = {
+        "shopify-hmac-sha256": b64_hmac(secret, body),
+        "shopify-topic": "orders/create",
+        "shopify-webhook-id": "events-" + WEBHOOK_ID,
+        "shopify-event-id": "events-" + EVENT_ID,
+        "shopify-shop-domain": "example.myshopify.com",
+        "shopify-api-version": "2025-10",
+    }
+    h.update(extra)
+    return inbound(body, h)
+
+
+def test_unprefixed_family_is_verified_and_identified() -> None:
+    d = events_delivery()
+    P.verify(d, source("shopify", SECRET))
+    ident = P.identify(d, source("shopify", SECRET))
+    assert ident.dedup_key == "events-" + WEBHOOK_ID
+    assert ident.event_type == "orders/create"
+    assert ident.meta == {"shopify_event_id": "events-" + EVENT_ID}
+
+
+def test_unprefixed_family_wrong_secret() -> None:
+    with pytest.raises(SignatureError, match="signature does not match"):
+        P.verify(events_delivery(secret="other"), source("shopify", SECRET))
+
+
+def test_families_are_never_mixed() -> None:
+    # shopify-hmac-sha256 present: only the shopify-* family is read, as the library does.
+    d = events_delivery(**{"X-Shopify-Webhook-Id": "legacy-id"})
+    assert P.identify(d, source("shopify", SECRET)).dedup_key == "events-" + WEBHOOK_ID
+    mixed = inbound(
+        BODY, {"shopify-hmac-sha256": b64_hmac(SECRET, BODY), "X-Shopify-Webhook-Id": "x"}
+    )
+    with pytest.raises(MissingKeyError):
+        P.identify(mixed, source("shopify", SECRET))
+
+
+def test_both_signature_headers_are_redacted() -> None:
+    assert {"x-shopify-hmac-sha256", "shopify-hmac-sha256"} <= P.secret_headers

@@ -175,3 +175,45 @@ def test_identify_missing_event_id() -> None:
 
 def test_retry_headers_are_secret_headers() -> None:
     assert {"x-slack-retry-num", "x-slack-retry-reason"} <= P.secret_headers
+
+
+# Slack's "app_rate_limited" callback (api.slack.com/apis/events-api#rate-limiting): a
+# notice with no event_id.
+RATE_LIMITED = json.dumps(
+    {
+        "token": "Jhj5dZrVaK7ZwHHjRyZWjbDl",
+        "type": "app_rate_limited",
+        "team_id": "T123456",
+        "minute_rate_limited": 1518467820,
+        "api_app_id": "A123456",
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("body", "callback"),
+    [
+        (RATE_LIMITED, "app_rate_limited"),
+        (json.dumps({"type": "app_uninstalled_notice", "team_id": "T1"}), "app_uninstalled_notice"),
+    ],
+)
+def test_id_less_callbacks_are_ignored_and_logged(body: str, callback: str, caplog) -> None:
+    d = delivery(body)
+    P.verify(d, source("slack", SECRET))
+    with caplog.at_level("INFO", logger="webhook_receiver.webhooks.providers.slack"):
+        ident = P.identify(d, source("slack", SECRET))
+    assert ident.immediate_response == {"status": "ignored", "type": callback}
+    (record,) = [r for r in caplog.records if r.name.endswith("slack")]
+    assert record.levelname == "INFO"
+    assert (record.outcome, record.callback_type) == ("ignored", callback)
+
+
+def test_event_callback_without_event_id_is_still_missing_a_key() -> None:
+    body = json.dumps({"type": "event_callback", "event": {"type": "app_mention"}})
+    with pytest.raises(MissingKeyError):
+        P.identify(delivery(body), source("slack", SECRET))
+
+
+def test_id_less_callback_with_an_absurd_type_is_refused() -> None:
+    with pytest.raises(PayloadError, match="callback type longer than"):
+        P.identify(delivery(json.dumps({"type": "x" * 101})), source("slack", SECRET))

@@ -1,23 +1,28 @@
 """The admin's password, its session, and the throttle on guessing.
 
-The session holds a keyed digest of the password it was opened with, so
-changing ``ADMIN_PASSWORD`` logs every session out, and the time it was
+The session cookie holds a keyed digest of the password it was opened with,
+so changing ``ADMIN_PASSWORD`` logs every session out, the time it was
 opened, so that a session ends after ``ADMIN_SESSION_HOURS`` (12 by default)
-whatever the cookie says. Failed logins are recorded in the database, so
-the throttle holds across gunicorn workers.
+whatever the cookie says, and a random session id whose digest is kept in
+``admin_sessions``: logging out deletes that row, so a copy of the cookie
+(signed, and otherwise valid until it expires) opens nothing afterwards.
+Failed logins are recorded in the database, so the throttle holds across
+gunicorn workers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
-from flask import current_app, request, session
+from flask import current_app, g, request, session
 
 from ..database import unit_of_work
+from ..models import utcnow
 from . import queries
 
 SESSION_KEY = "admin"
@@ -47,29 +52,55 @@ def _session_tag() -> str:
     return hmac.new(key, b"admin-session:" + _password().encode(), hashlib.sha256).hexdigest()
 
 
+def _hours() -> float:
+    return float(current_app.config.get("ADMIN_SESSION_HOURS", DEFAULT_SESSION_HOURS))
+
+
+def _digest(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def log_in() -> None:
     """Start a fresh admin session (a new CSRF token too: nothing carries over)."""
     session.clear()
-    session[SESSION_KEY] = {"tag": _session_tag(), "at": int(time.time())}
+    session_id = secrets.token_urlsafe(32)
+    now = utcnow()
+    with unit_of_work():
+        queries.open_admin_session(_digest(session_id), now, now + timedelta(hours=_hours()))
+    session[SESSION_KEY] = {"tag": _session_tag(), "at": int(time.time()), "id": session_id}
+    g.admin_logged_in = True
 
 
 def log_out() -> None:
-    """End the admin session."""
+    """End the admin session, on the server too: a copy of its cookie opens nothing after."""
+    data = session.get(SESSION_KEY)
+    if isinstance(data, dict) and isinstance(data.get("id"), str):
+        with unit_of_work():
+            queries.close_admin_session(_digest(data["id"]))
     session.clear()
+    g.admin_logged_in = False
 
 
 def is_logged_in() -> bool:
     """Tell whether this request's session is a live admin session."""
+    # Asked by the guard and by every template: the database is read once.
+    if "admin_logged_in" not in g:
+        g.admin_logged_in = _session_is_live()
+    return bool(g.admin_logged_in)
+
+
+def _session_is_live() -> bool:
     data = session.get(SESSION_KEY)
     if not isinstance(data, dict) or not _password():
         return False
-    tag, opened = data.get("tag"), data.get("at")
-    if not isinstance(tag, str) or not isinstance(opened, int):
+    tag, opened, session_id = data.get("tag"), data.get("at"), data.get("id")
+    if not isinstance(tag, str) or not isinstance(opened, int) or not isinstance(session_id, str):
         return False
-    hours = float(current_app.config.get("ADMIN_SESSION_HOURS", DEFAULT_SESSION_HOURS))
-    if time.time() - opened > hours * 3600:
+    if time.time() - opened > _hours() * 3600:
         return False
-    return hmac.compare_digest(tag, _session_tag())
+    if not hmac.compare_digest(tag, _session_tag()):
+        return False
+    return queries.admin_session_is_open(_digest(session_id), utcnow())
 
 
 def remote_addr() -> str:
@@ -86,20 +117,24 @@ def _max_failures() -> int:
     return int(current_app.config.get("ADMIN_LOGIN_MAX_FAILURES", DEFAULT_MAX_FAILURES))
 
 
-def is_throttled(now: datetime) -> bool:
-    """Tell whether this address has failed too often lately to try again."""
-    return queries.recent_login_failures(remote_addr(), now - _window()) >= _max_failures()
+def attempt_is_throttled(now: datetime) -> bool:
+    """Record this login attempt as a failure, then tell whether it is one too many.
+
+    Counting first and recording after (check, then insert) let concurrent
+    guesses all pass the check before any was recorded: 40 at once got 6
+    tries against a limit of 5. Recorded first and committed, each attempt
+    is in every count that starts after it, so the last of N concurrent
+    attempts counts all N, and at most the limit ever reach the password.
+    A good password clears the address's failures, its own included.
+    """
+    with unit_of_work():
+        queries.record_login_failure(remote_addr(), now, now - _window())
+    return queries.recent_login_failures(remote_addr(), now - _window()) > _max_failures()
 
 
 def retry_after() -> int:
     """Seconds a throttled address is told to wait."""
     return int(_window().total_seconds())
-
-
-def note_failure(now: datetime) -> None:
-    """Record a failed login for this address."""
-    with unit_of_work():
-        queries.record_login_failure(remote_addr(), now, now - _window())
 
 
 def forget_failures() -> None:

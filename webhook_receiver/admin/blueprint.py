@@ -25,7 +25,7 @@ from flask_wtf.csrf import CSRFError
 from werkzeug.exceptions import HTTPException
 
 from ..extensions import csrf
-from . import auth, presenters
+from . import auth, presenters, queries
 
 PREFIX = "/admin"
 _STATIC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "static")
@@ -89,6 +89,14 @@ def guard() -> ResponseReturnValue | None:
     if request.method in _SAFE_METHODS:
         return redirect(url_for("admin.login", next=request.full_path.rstrip("?")))
     abort(403)
+
+
+@bp.before_request
+def refuse_ids_out_of_range() -> None:
+    """Answer 404 for an id in the URL beyond 64 bits: no row has one, and no driver binds it."""
+    # Registered after guard, so the CSRF and login checks come first.
+    if any(isinstance(v, int) and v > queries.MAX_ID for v in (request.view_args or {}).values()):
+        abort(404)
 
 
 @bp.after_app_request

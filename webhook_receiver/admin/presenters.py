@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from ..events import ALWAYS_REDACTED, REDACTED
+from ..events import REDACTED, is_secret_header
 from ..fingerprint import JSONError, is_json_type, loads
 
-# Header names that may carry a credential even where the receipt code kept
-# them (GitLab, for one, sends its shared secret as X-Gitlab-Token).
-_SECRET_NAME = re.compile(r"token|secret|password|api[-_]?key|session", re.IGNORECASE)
 # C0 controls other than tab, newline and carriage return, and DEL: a body
 # holding them is shown as bytes.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -32,7 +30,8 @@ def redact(headers: Iterable[Sequence[str]] | None) -> list[tuple[str, str]]:
         if len(pair) != 2:
             continue
         name, value = str(pair[0]), str(pair[1])
-        if name.lower() in ALWAYS_REDACTED or _SECRET_NAME.search(name):
+        # Rows stored before the receipt redacted by name are hidden here too.
+        if is_secret_header(name):
             value = REDACTED
         shown.append((name, value))
     return shown
@@ -135,6 +134,8 @@ _TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
 
 
 def _intraline(a: str, b: str) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    if len(a) > MAX_INTRALINE_CHARS or len(b) > MAX_INTRALINE_CHARS:
+        return (Segment(a, True),), (Segment(b, True),)  # changed, without the words marked
     # Compare words and punctuation rather than characters: "100" against
     # "250" is one changed number, not a scatter of changed digits.
     ta, tb = _TOKEN.findall(a), _TOKEN.findall(b)
@@ -155,6 +156,43 @@ def _append(segments: list[Segment], text: str, changed: bool) -> None:
         segments[-1] = Segment(segments[-1].text + text, changed)
     else:
         segments.append(Segment(text, changed))
+
+
+# Line matching is quadratic in the worst case (18 KB bodies took 2.8 s and
+# 1 MB never rendered), and so is the word matching of one long line. Past
+# these bounds the bodies are shown side by side without highlighting.
+MAX_DIFF_LINES = 1000
+MAX_DIFF_BYTES = 32 * 1024
+MAX_INTRALINE_CHARS = 500
+
+
+@dataclass(frozen=True)
+class BodyDiff:
+    """The conflict page's body comparison: highlighted rows, or both texts as they are."""
+
+    rows: list[DiffRow]
+    bounded: bool = True  # False: too large to compare; ``left``/``right`` hold the texts
+    left: str = ""
+    right: str = ""
+
+
+def diff_within_bounds(a: list[str], b: list[str]) -> bool:
+    """Tell whether two line lists are small enough to compare line by line, on time."""
+    if len(a) > MAX_DIFF_LINES or len(b) > MAX_DIFF_LINES:
+        return False
+    size = 0
+    for line in (*a, *b):
+        size += len(line) + 1
+        if size > 2 * MAX_DIFF_BYTES:
+            return False
+    return True
+
+
+def compare_bodies(a: list[str], b: list[str], context: int = 3) -> BodyDiff:
+    """Highlight the differences of two bodies within the bounds; past them, show both plainly."""
+    if diff_within_bounds(a, b):
+        return BodyDiff(side_by_side(a, b, context))
+    return BodyDiff([], False, "\n".join(a), "\n".join(b))
 
 
 def side_by_side(a: list[str], b: list[str], context: int = 3) -> list[DiffRow]:
@@ -247,7 +285,10 @@ def hourly_chart(
     left, top, bottom = 44, 12, 28
     baseline = height - bottom
     plot_height = baseline - top
-    peak = max([1, *(received.get(h, 0) for h in hours), *(duplicates.get(h, 0) for h in hours)])
+    highest = max([1, *(received.get(h, 0) for h in hours), *(duplicates.get(h, 0) for h in hours)])
+    # The axis runs to a round number above the highest bar, in round steps.
+    step = nice_step(highest)
+    peak = step * math.ceil(highest / step)
     slot = (width - left - 8) / max(1, len(hours))
     bar = max(1.0, slot * 0.38)
     chart = Chart(width, height, top, baseline, left, peak)
@@ -266,10 +307,20 @@ def hourly_chart(
                 hour.strftime("%H:00") if i % 3 == 0 else "",
             )
         )
-    for fraction in (0, 0.5, 1):
-        value = round(peak * fraction)
+    for value in range(0, peak + 1, step):
         chart.ticks.append((round(baseline - plot_height * value / peak, 1), value))
     return chart
+
+
+def nice_step(highest: int, most: int = 5) -> int:
+    """The smallest step of 1, 2 or 5 times a power of ten with at most ``most`` intervals."""
+    magnitude = 1
+    while True:
+        for factor in (1, 2, 5):
+            step = factor * magnitude
+            if math.ceil(highest / step) <= most:
+                return step
+        magnitude *= 10
 
 
 # -- formatting --------------------------------------------------------------
@@ -283,7 +334,7 @@ def utc(moment: datetime | None) -> str:
 
 
 def parse_utc(raw: str) -> datetime | None:
-    """Read a ``datetime-local`` field's value (``YYYY-MM-DDTHH:MM[:SS]``) as UTC."""
+    """Read a time field's value (``YYYY-MM-DD[ HH:MM[:SS]]``, or with a ``T``) as UTC."""
     raw = raw.strip()
     if not raw:
         return None
@@ -293,12 +344,23 @@ def parse_utc(raw: str) -> datetime | None:
         raise ValueError(f"not a date and time: {raw!r}") from exc
     if moment.tzinfo is None:
         return moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError as exc:  # 0001-01-01T00:00+01:00 is before the year 1 in UTC
+        raise ValueError(f"not a date and time in range: {raw!r}") from exc
 
 
 def local_input(moment: datetime | None) -> str:
-    """Format a datetime for a ``datetime-local`` field, in UTC."""
-    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")
+    """Format a datetime for a time field, as ISO 8601 in UTC (``YYYY-MM-DD HH:MM``)."""
+    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def idempotency_key(source: str, meta: object) -> str | None:
+    """The Idempotency-Key an API client sent with its event, or None for a webhook event."""
+    if not source.startswith("api:") or not isinstance(meta, dict):
+        return None
+    key = meta.get("idempotency_key")
+    return key if isinstance(key, str) else None
 
 
 def delivery_summary(states: dict[str, int]) -> list[tuple[str, int]]:

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from ..extensions import db
 from ..models import (
     AdminLoginFailure,
+    AdminSession,
     Delivery,
     Event,
     EventConflict,
@@ -44,6 +45,14 @@ from ..models import (
 from ..processing import deliveries as delivery_states
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# Row ids are signed 64-bit on PostgreSQL and SQLite alike: a larger number
+# names no row, and the drivers refuse to bind it.
+MAX_ID = 2**63 - 1
+
+
+def is_row_id(raw: str) -> bool:
+    """Tell whether a string is a row id: ASCII digits (not "²") within 64 bits."""
+    return raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) <= MAX_ID
 
 
 # -- keyset paging -----------------------------------------------------------
@@ -65,7 +74,10 @@ class Cursor:
     def decode(cls, raw: str) -> Cursor:
         """Parse what ``encode`` made; ValueError when it is not one."""
         micros, _, ident = raw.partition(".")
-        if not micros.lstrip("-").isdigit() or not ident.isdigit():
+        digits = micros.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18) or not is_row_id(
+            ident
+        ):
             raise ValueError(f"not a cursor: {raw!r}")
         try:
             at = EPOCH + timedelta(microseconds=int(micros))
@@ -168,7 +180,9 @@ def counts_since(since: datetime) -> Counts:
         received=_count(select(func.count()).where(Event.received_at >= since)),
         duplicates=_count(select(func.count()).where(EventDuplicate.received_at >= since)),
         conflicts=_count(select(func.count()).where(EventConflict.received_at >= since)),
-        rejections=_count(select(func.count()).where(Rejection.received_at >= since)),
+        rejections=_count(
+            select(func.sum(Rejection.seen_count)).where(Rejection.received_at >= since)
+        ),
         delivered=_count(
             select(func.count()).where(
                 d.state == delivery_states.DELIVERED, d.completed_at >= since
@@ -299,6 +313,14 @@ def _state_condition(state: str) -> ColumnElement[bool] | None:
     return None
 
 
+def idempotency_key() -> Any:
+    """The Idempotency-Key an API client sent with an event (NULL for webhook events).
+
+    JSON_EXTRACT on SQLite, ``->>`` on PostgreSQL's JSONB.
+    """
+    return Event.meta["idempotency_key"].as_string()
+
+
 def list_events(
     filters: EventFilters,
     *,
@@ -314,6 +336,7 @@ def list_events(
         Event.event_type,
         Event.dedup_key,
         Event.duplicate_count,
+        idempotency_key().label("idempotency_key"),
     )
     if filters.source:
         stmt = stmt.where(Event.source == filters.source)
@@ -324,8 +347,13 @@ def list_events(
     if filters.until is not None:
         stmt = stmt.where(Event.received_at < filters.until)
     if filters.q:
-        matches = [Event.dedup_key == filters.q]
-        if filters.q.isdigit() and int(filters.q) < 2**63:
+        # An API event is found by the Idempotency-Key its client sent (kept
+        # in its meta), as a webhook event is by its dedup key.
+        matches = [
+            Event.dedup_key == filters.q,
+            and_(Event.source.startswith("api:", autoescape=True), idempotency_key() == filters.q),
+        ]
+        if is_row_id(filters.q):
             matches.append(Event.id == int(filters.q))
         stmt = stmt.where(or_(*matches))
     condition = _state_condition(filters.state)
@@ -585,6 +613,8 @@ def list_rejections(
         Rejection.reason,
         Rejection.detail,
         Rejection.remote_addr,
+        Rejection.seen_count,
+        Rejection.last_seen_at,
     )
     if source:
         stmt = stmt.where(Rejection.source == source)
@@ -620,3 +650,35 @@ def clear_login_failures(remote_addr: str) -> None:
     db.session.execute(
         delete(AdminLoginFailure).where(AdminLoginFailure.remote_addr == remote_addr)
     )
+
+
+# -- admin sessions ----------------------------------------------------------
+
+
+def open_admin_session(token_hash: str, now: datetime, expires_at: datetime) -> None:
+    """Record an open session, pruning the expired ones; the caller commits."""
+    # The delete comes first so that on SQLite the transaction opens with a write.
+    db.session.execute(delete(AdminSession).where(AdminSession.expires_at <= now))
+    db.session.execute(
+        insert(AdminSession).values(token_hash=token_hash, created_at=now, expires_at=expires_at)
+    )
+
+
+def admin_session_is_open(token_hash: str, now: datetime) -> bool:
+    """Tell whether the session with this token is open and unexpired, and end the read."""
+    try:
+        return (
+            db.session.scalar(
+                select(AdminSession.id).where(
+                    AdminSession.token_hash == token_hash, AdminSession.expires_at > now
+                )
+            )
+            is not None
+        )
+    finally:
+        db.session.rollback()
+
+
+def close_admin_session(token_hash: str) -> None:
+    """Forget one session, so that its cookie opens nothing any more; the caller commits."""
+    db.session.execute(delete(AdminSession).where(AdminSession.token_hash == token_hash))

@@ -14,6 +14,7 @@ from flask import (
     redirect,
     render_template,
     request,
+    send_from_directory,
     url_for,
 )
 from flask.typing import ResponseReturnValue
@@ -88,7 +89,7 @@ def login() -> Any:
             return redirect(target or url_for("admin.overview"))
         return render_template("admin/login.html", next=target)
     now = utcnow()
-    if auth.is_throttled(now):
+    if auth.attempt_is_throttled(now):
         wait = auth.retry_after()
         body = render_template(
             "admin/login.html",
@@ -97,7 +98,6 @@ def login() -> Any:
         )
         return body, 429, {"Retry-After": str(wait)}
     if not auth.password_matches(request.form.get("password", "")):
-        auth.note_failure(now)
         return render_template("admin/login.html", next=target, error="Wrong password.")
     auth.forget_failures()
     auth.log_in()
@@ -206,6 +206,7 @@ def event(event_id: int) -> str:
         headers=presenters.redact(ev.headers),
         body=presenters.show_body(ev.body, ev.content_type),
         meta=presenters.pretty_json(ev.meta) if ev.meta else "",
+        idempotency_key=presenters.idempotency_key(ev.source, ev.meta),
         requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
         duplicates_shown=queries.DUPLICATES_SHOWN,
     )
@@ -217,10 +218,10 @@ def _chosen_ids() -> list[int]:
     # The dead-letter page's "... all on this page" buttons carry its ids.
     if request.form.get("page_ids"):
         raw_ids = request.form["page_ids"].split(",")
-    try:
-        return sorted({int(raw) for raw in raw_ids if raw.strip()})
-    except ValueError:
+    chosen = [raw.strip() for raw in raw_ids if raw.strip()]
+    if not all(queries.is_row_id(raw) for raw in chosen):
         abort(400, "Delivery ids must be numbers.")
+    return sorted({int(raw) for raw in chosen})
 
 
 def _plural(count: int) -> str:
@@ -338,11 +339,11 @@ def conflict(conflict_id: int) -> str:
     if found is None:
         abort(404, "No such conflict.")
     item, original = found
-    rows = presenters.side_by_side(
+    body = presenters.compare_bodies(
         presenters.diff_lines(original.body, original.content_type),
         presenters.diff_lines(item.body, item.content_type),
     )
-    header_rows = presenters.side_by_side(
+    headers = presenters.compare_bodies(
         [f"{n}: {v}" for n, v in presenters.redact(original.headers)],
         [f"{n}: {v}" for n, v in presenters.redact(item.headers)],
         context=1000,
@@ -351,8 +352,10 @@ def conflict(conflict_id: int) -> str:
         "admin/conflict.html",
         conflict=item,
         original=original,
-        rows=rows,
-        header_rows=header_rows,
+        body=body,
+        headers=headers,
+        max_lines=presenters.MAX_DIFF_LINES,
+        max_kb=presenters.MAX_DIFF_BYTES // 1024,
         note_max=REVIEW_NOTE_MAX,
     )
 
@@ -402,7 +405,9 @@ def idempotency() -> str:
 @bp.post("/idempotency/<int:record_id>/evict")
 def evict(record_id: int) -> ResponseReturnValue:
     """Delete one Idempotency-Key record, so that the key may be used afresh."""
-    if records.evict(record_id):
+    with unit_of_work():
+        evicted = records.evict(record_id)
+    if evicted:
         flash("Evicted the key: its next request runs afresh.", "success")
     else:
         flash("That key was already gone.", "warning")
@@ -424,3 +429,15 @@ def rejections() -> str:
         source=source,
         sources=_sources(),
     )
+
+
+# -- favicon -----------------------------------------------------------------
+
+
+def favicon() -> ResponseReturnValue:
+    """Serve the admin's icon where browsers look for one by default."""
+    return send_from_directory(bp.static_folder or "", "favicon.svg", mimetype="image/svg+xml")
+
+
+# At the root, not under /admin: a browser asks for /favicon.ico on its own.
+bp.record_once(lambda state: state.app.add_url_rule("/favicon.ico", "favicon", favicon))

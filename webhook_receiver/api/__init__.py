@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import replays  # noqa: F401  (counts replays as duplicates, on bp)
 from .views import bp
 
 __all__ = ["bp"]

@@ -90,6 +90,10 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
 @require_client
 def get_event(event_id: int) -> Response:
     """Return one event to the client that created it."""
+    # Ids are signed 64-bit: a larger one names no event, and the drivers
+    # would refuse to bind it (a 500).
+    if event_id >= 2**63:
+        abort(404, "no such event for this client")
     event = events.get_event(event_id)
     # Another client's event is answered exactly like a missing one.
     if event is None or event.client != g.client:

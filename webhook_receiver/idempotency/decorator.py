@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
 
-from ..database import is_sqlite, writer_turn
+from ..database import is_sqlite, unit_of_work
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..observability import metrics
@@ -136,6 +136,18 @@ def _answer(
 # -- one commit: the claim, the view's writes and the response together ------
 
 
+class _KeyTaken(Exception):
+    """A racing request with the key committed first: roll back, answer from its record."""
+
+
+class _NotSaved(Exception):
+    """A 5xx answer: roll everything back and send it unsaved."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
 def _one_commit(req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     config = current_app.config
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
@@ -164,31 +176,29 @@ def _run_in_one_transaction(
     """Claim, run the view and save its answer in one transaction; None if the key was taken."""
     session = db.session
     try:
-        # SQLite: the whole transaction is one writers' turn, and the claim
-        # opens it with a write, so the view's reads and writes run under the
-        # write lock. PostgreSQL: the claim and the saved answer are one
-        # statement after the view, one round trip fewer.
-        with writer_turn():
+        # The unit of work is one transaction (on SQLite one writers' turn,
+        # and the claim opens it with a write, so the view's reads and writes
+        # run under the write lock). PostgreSQL: the claim and the saved
+        # answer are one statement after the view, one round trip fewer.
+        with unit_of_work():
             claimed = None
             if is_sqlite():
                 claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
                 if claimed is None:
-                    session.rollback()
-                    return None
+                    raise _KeyTaken()
             raised = False
             try:
                 rv = view(*args, **kwargs)
             except Exception as exc:
                 # 4xx problems and HTTP errors are results worth replaying;
-                # anything else re-raises and rolls everything back below.
+                # anything else re-raises and rolls everything back.
                 rv = current_app.handle_user_exception(exc)
                 raised = True
             response = current_app.make_response(rv)
             if response.status_code >= 500:
-                # Nothing was committed: the claim goes with the rest, and
-                # the key is free for the retry.
-                session.rollback()
-                return response
+                # Nothing is committed: the claim goes with the rest, and the
+                # key is free for the retry.
+                raise _NotSaved(response)
             if raised:
                 # A view that raised keeps none of its writes: only its
                 # answer is saved, with the claim made again.
@@ -198,11 +208,12 @@ def _run_in_one_transaction(
             if claimed is not None:
                 records.complete(claimed, *saved, _now())
             elif not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
-                session.rollback()
-                return None
-            session.commit()
+                raise _KeyTaken()
+    except _KeyTaken:
+        return None
+    except _NotSaved as unsaved:
+        return unsaved.response
     except records.KeyLocked:
-        session.rollback()
         _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
         return problem_response(
             Problem(
@@ -211,9 +222,6 @@ def _run_in_one_transaction(
                 headers={"Retry-After": "1"},
             )
         )
-    except BaseException:
-        session.rollback()
-        raise
     _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
     if response.status_code < 300:
         metrics.received(_source(req))
@@ -266,11 +274,11 @@ def run_claimed(
     """
     session = db.session
     try:
-        # On SQLite the view runs in the writers' turn: hold() takes the
-        # write lock for the whole view anyway, and waiting for a turn is
-        # cheaper than polling for that lock. No turn within the busy
-        # timeout is a 503 below, and the key is freed for the retry.
-        with writer_turn():
+        # On SQLite the view runs in the writers' turn (the unit of work's):
+        # hold() takes the write lock for the whole view anyway, and waiting
+        # for a turn is cheaper than polling for that lock. No turn within
+        # the busy timeout is a 503 below, and the key is freed for the retry.
+        with unit_of_work():
             records.hold(claimed)
             try:
                 rv = view(*args, **kwargs)
@@ -284,21 +292,14 @@ def run_claimed(
                 records.hold(claimed)
             response = current_app.make_response(rv)
             if response.status_code >= 500:
-                session.rollback()
-                _release_quietly(claimed)
-                return response
+                raise _NotSaved(response)
             records.complete(
                 claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
             )
-            session.commit()
-            _log(
-                logging.INFO, "idempotent request completed", "completed", req, response.status_code
-            )
-            if response.status_code < 300:
-                metrics.received(_source(req))
-            return response
+    except _NotSaved as unsaved:
+        _release_quietly(claimed)
+        return unsaved.response
     except records.LeaseLost:
-        session.rollback()
         _log(logging.WARNING, "idempotency lease lost", "lease_lost", req, 409)
         return problem_response(
             Problem(
@@ -308,16 +309,20 @@ def run_claimed(
             )
         )
     except BaseException:
-        session.rollback()
         _release_quietly(claimed)
         raise
+    _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
+    if response.status_code < 300:
+        metrics.received(_source(req))
+    return response
 
 
 def _release_quietly(claimed: records.Claimed) -> None:
     # If the database is what failed, the release fails too; the lease then
     # expires on its own and the next retry takes the key over.
     try:
-        records.release(claimed)
+        with unit_of_work():
+            records.release(claimed)
     except Exception:
         db.session.rollback()
         log.warning("could not release idempotency claim %s", claimed.record_id, exc_info=True)

@@ -8,21 +8,23 @@ database decides every race.
 
 Two ways to hold a key (docs/idempotency.md): a two-phase claim commits on
 its own under a lease (``claim``), for views whose effects reach other
-services; a claim in the view's own transaction (``claim_in_transaction``)
-is never seen uncommitted, needs no lease, and commits with the view's
-writes and the saved response, or rolls back with them.
+services; a claim in the view's own transaction (``claim_in_transaction``,
+or ``save_in_transaction`` with the response at once) is never seen
+uncommitted, needs no lease, and commits with the view's writes and the
+saved response, or rolls back with them.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, update
-from sqlalchemy.engine import CursorResult
+from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import OperationalError
 
 from ..database import (
@@ -30,9 +32,11 @@ from ..database import (
     commit_without_waiting_for_disk,
     insert_ignoring_conflicts,
     is_sqlite,
+    unit_of_work,
     writer_turn,
 )
 from ..extensions import db
+from ..inbox.driver import DriverStatement, driver_cursor
 from ..models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -97,7 +101,7 @@ _LOCK_NOT_AVAILABLE = "55P03"
 
 
 def claim(req: Request, now: datetime, lease: timedelta, ttl: timedelta) -> Outcome:
-    """Claim the key for this request, or say why not.
+    """Claim the key for a two-phase view, under a lease, or say why not.
 
     The key is read first, since retries are the common case and a read is
     cheaper than a failed insert; the insert's unique constraint still
@@ -143,9 +147,55 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
     uncommitted claim is not seen: its holder decides, see
     ``claim_in_transaction``.
     """
-    with autocommit_connection() as conn:
-        row = conn.execute(_LOOKUP, {"b_client": req.client, "b_key": req.key}).one_or_none()
-    return None if row is None else _answer(row, req, now)
+    statement, processors = _find_statement()
+    with driver_cursor(db.engine) as cursor:
+        params = statement.params({"b_client": req.client, "b_key": req.key})
+        row = cursor.execute(statement.sql, params).fetchone()
+    if row is None:
+        return None
+    stored = _Stored(
+        *[value if p is None else p(value) for p, value in zip(processors, row, strict=True)]
+    )
+    return _answer(stored, req, now)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A record as ``find`` reads it (the columns of ``_LOOKUP``)."""
+
+    id: int
+    state: str
+    fingerprint: str
+    lease_expires_at: datetime | None
+    expires_at: datetime
+    response_status: int | None
+    response_headers: list[list[str]] | None
+    response_body: bytes | None
+
+
+# Per engine: each engine its own dialect (the tests run apps on both databases).
+_FINDS: weakref.WeakKeyDictionary[Engine, tuple[DriverStatement, list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _find_statement() -> tuple[DriverStatement, list[Any]]:
+    """``_LOOKUP`` on the driver, and each column's conversion, built on first use.
+
+    A replay is this read and nothing else: through SQLAlchemy's execution
+    (a Connection, its result) the read cost about as much CPU as the rest
+    of the replay. The columns' own types still convert each value.
+    """
+    engine = db.engine
+    dialect = engine.dialect
+    found = _FINDS.get(engine)
+    if found is None:
+        processors = [
+            column.type.dialect_impl(dialect).result_processor(dialect, None)
+            for column in _LOOKUP.selected_columns
+        ]
+        found = _FINDS[engine] = (DriverStatement(_LOOKUP, dialect), processors)
+    return found
 
 
 def claim_in_transaction(
@@ -361,10 +411,10 @@ def _claim_statement(dialect: str) -> Any:
 def _take_over(
     record_id: int, req: Request, token: str, now: datetime, lease: timedelta, ttl: timedelta
 ) -> bool:
-    with writer_turn():
+    # The takeover is the claim's own unit of work, committed before the view runs.
+    with unit_of_work():
         commit_without_waiting_for_disk()
         result = _conditional_take_over(record_id, req, token, now, lease, ttl)
-        db.session.commit()
     return result.rowcount == 1
 
 
@@ -448,31 +498,24 @@ _COMPLETE = (
 
 
 def release(claimed: Claimed) -> None:
-    """Give the key back after a failure, so that a retry runs again."""
+    """Give the key back after a failure, so that a retry runs again; the caller commits."""
     db.session.connection().execute(
         delete(_t).where(_t.c.id == claimed.record_id, _t.c.lease_token == claimed.token)
     )
-    db.session.commit()
 
 
-def purge_expired(now: datetime, batch_size: int) -> int:
-    """Delete expired records in batches of ``batch_size``; return how many."""
-    total = 0
-    while True:
-        ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
-        # Session.execute is typed for any statement; a DELETE gives a CursorResult.
-        result = cast(
-            CursorResult[Any],
-            db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
-        )
-        db.session.commit()
-        total += result.rowcount
-        if result.rowcount < batch_size:
-            return total
+def purge_expired_batch(now: datetime, batch_size: int) -> int:
+    """Delete up to ``batch_size`` expired records; return how many. The caller commits."""
+    ids = select(_t.c.id).where(_t.c.expires_at <= now).limit(batch_size)
+    # Session.execute is typed for any statement; a DELETE gives a CursorResult.
+    result = cast(
+        CursorResult[Any],
+        db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
+    )
+    return result.rowcount
 
 
 def evict(record_id: int) -> bool:
-    """Delete one record (an operator's action); return whether it existed."""
+    """Delete one record (an operator's action); return whether it existed. The caller commits."""
     result = cast(CursorResult[Any], db.session.execute(delete(_t).where(_t.c.id == record_id)))
-    db.session.commit()
     return result.rowcount == 1

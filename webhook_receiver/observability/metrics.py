@@ -18,12 +18,19 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, request
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 
+from ..extensions import db
 from ..problems import Problem
 
 EXTENSION = "webhook_receiver.metrics"
@@ -52,9 +59,19 @@ class Metrics:
         self.duplicates = counter(
             "duplicates", "Redeliveries of a stored event (same key, same content).", ("source",)
         )
+        # Two names for two things: a provider's dedup key stored with other
+        # content (kept for review, the admin's Conflicts), and an API client
+        # reusing an Idempotency-Key for another request (refused, not kept).
         self.conflicts = counter(
             "conflicts",
-            "Deliveries or requests reusing a key with different content.",
+            "Webhook deliveries reusing a stored dedup key with different content (kept "
+            "for review).",
+            ("source",),
+        )
+        self.key_reuses = counter(
+            "idempotency_key_reuses",
+            "API requests reusing an Idempotency-Key with a different request (refused "
+            "with 422, not kept).",
             ("source",),
         )
         self.signature_failures = counter(
@@ -118,9 +135,15 @@ def duplicate(source: str, count: int = 1) -> None:
 
 
 def conflict(source: str, count: int = 1) -> None:
-    """Count a key reused with different content (``count`` of them, for a batch)."""
+    """Count a key reused with different content (``count`` of them), under its kind's name."""
     m = _metrics()
-    if m is not None and count:
+    if m is None or not count:
+        return
+    # The Idempotency-Key engine reports its mismatches here with the API's
+    # source, ``api:<client>``; no webhook source can be named so.
+    if source.startswith("api:"):
+        m.key_reuses.labels(source).inc(count)
+    else:
         m.conflicts.labels(source).inc(count)
 
 
@@ -213,12 +236,55 @@ def expose() -> Response:
         # every worker's file.
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        registry.register(_DeliveryBacklog())
     else:
         registry = current_app.extensions[EXTENSION].registry
     # The Accept header picks the format: Prometheus text (0.0.4 unless a
     # newer one is asked for) or OpenMetrics.
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return Response(encode(registry), headers={"Content-Type": content_type})
+
+
+class _DeliveryBacklog(Collector):
+    """Deliveries due and not yet taken, read from the database at each scrape.
+
+    Counters cannot say that work is waiting: a stopped worker counts
+    nothing. The oldest due delivery's age can, whichever process answers.
+    """
+
+    DUE = (
+        f"{PREFIX}_deliveries_due",
+        "Pending deliveries whose attempt is due and that no worker has taken yet.",
+    )
+    OLDEST = (
+        f"{PREFIX}_oldest_due_delivery_seconds",
+        "How long the oldest due delivery has waited for a worker (0 when none).",
+    )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Registering asks for this, outside any request: no query then.
+        yield GaugeMetricFamily(*self.DUE)
+        yield GaugeMetricFamily(*self.OLDEST)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from ..models import Delivery
+        from ..processing.deliveries import PENDING
+
+        now = datetime.now(UTC)
+        try:
+            count, oldest = db.session.execute(
+                select(func.count(), func.min(Delivery.next_attempt_at)).where(
+                    Delivery.state == PENDING, Delivery.next_attempt_at <= now
+                )
+            ).one()
+        except SQLAlchemyError:
+            # The database away: the scrape still answers (readyz says why).
+            return
+        finally:
+            db.session.rollback()
+        age = 0.0 if oldest is None else max(0.0, (now - oldest).total_seconds())
+        yield GaugeMetricFamily(*self.DUE, value=int(count or 0))
+        yield GaugeMetricFamily(*self.OLDEST, value=age)
 
 
 def watch_deliveries(app: Flask) -> None:
@@ -240,6 +306,7 @@ def watch_deliveries(app: Flask) -> None:
 def init_app(app: Flask) -> None:
     """Give the app its metrics, time its requests and serve ``/metrics``."""
     app.extensions[EXTENSION] = Metrics(CollectorRegistry(auto_describe=True))
+    app.extensions[EXTENSION].registry.register(_DeliveryBacklog())
     app.before_request(_start_timer)
     app.after_request(_observe)
     app.register_blueprint(bp)

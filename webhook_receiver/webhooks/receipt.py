@@ -30,6 +30,7 @@ from .providers import (
     SignatureError,
     SourceConfig,
     TimestampError,
+    decoded,
     get_provider,
     needs_json,
     redacted_headers,
@@ -74,6 +75,12 @@ def receive(
             "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
             str(exc),
         ) from exc
+    try:
+        verified = decoded(inbound, source)
+    except PayloadError as exc:
+        raise Problem("payload-invalid", str(exc)) from exc
+    if verified is not inbound:  # the payload was read from a form (GitHub)
+        inbound, parsed, json_error = verified, verified.json, None
     if json_required and not content_type:
         # Providers always label their JSON; unlabelled content is not theirs to guess.
         raise Problem("unsupported-media-type", "send Content-Type: application/json")

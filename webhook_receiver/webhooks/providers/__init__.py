@@ -9,6 +9,8 @@ cloudevents signature header is whatever ``source.signature_header`` names.
 
 from __future__ import annotations
 
+from werkzeug.datastructures import Headers
+
 from ...config import PROVIDER_NAMES
 from .base import (
     Identified,
@@ -25,6 +27,7 @@ from .cloudevents import CloudEventsProvider
 from .generic import GenericProvider
 from .github import GitHubProvider
 from .gitlab import GitLabProvider
+from .paddle import PaddleProvider
 from .shopify import ShopifyProvider
 from .slack import SlackProvider
 from .standard import StandardProvider
@@ -41,6 +44,7 @@ PROVIDERS: dict[str, Provider] = {
         SlackProvider(),
         CloudEventsProvider(),
         GenericProvider(),
+        PaddleProvider(),
     )
 }
 
@@ -66,11 +70,36 @@ def needs_json(source: SourceConfig) -> bool:
     return bool(per_source(source)) if per_source else provider.requires_json
 
 
+def decoded(inbound: Inbound, source: SourceConfig) -> Inbound:
+    """Return a verified delivery with its payload read from the body, where the provider knows how.
+
+    GitHub's form deliveries carry their JSON in a field: the result's ``json``
+    is that JSON, and the receipt fingerprints it as it would a JSON body. The
+    raw body is what is stored, whatever its form. Raises PayloadError.
+    """
+    decode = getattr(get_provider(source.provider), "decode", None)
+    return decode(inbound, source) if decode else inbound
+
+
+def handshake(source: SourceConfig, headers: Headers) -> dict[str, str] | None:
+    """Return the headers answering a provider's OPTIONS handshake; None when it is not one.
+
+    Only CloudEvents has one (the webhook validation request). Raises
+    PayloadError when the request is one but cannot be answered.
+    """
+    answer = getattr(get_provider(source.provider), "handshake", None)
+    return answer(headers, source) if answer else None
+
+
 def redacted_headers(source: SourceConfig) -> frozenset[str]:
     """Lower-case names of the headers to redact and keep out of the fingerprint for a source."""
     names = get_provider(source.provider).secret_headers
     if source.signature_header:
         names = names | {source.signature_header.lower()}
+    # A signed timestamp changes on every attempt, as Slack's and Stripe's do.
+    stamp = source.extra.get("timestamp_header")
+    if isinstance(stamp, str):
+        names = names | {stamp.lower()}
     return names
 
 
@@ -83,6 +112,7 @@ __all__ = [
     "Identified",
     "Inbound",
     "MissingKeyError",
+    "PaddleProvider",
     "PayloadError",
     "Provider",
     "ProviderError",
@@ -93,7 +123,9 @@ __all__ = [
     "StandardProvider",
     "StripeProvider",
     "TimestampError",
+    "decoded",
     "get_provider",
+    "handshake",
     "needs_json",
     "redacted_headers",
 ]

@@ -3,22 +3,35 @@
 The CloudEvents spec makes ``source`` + ``id`` unique, so the dedup key is the
 compact JSON array ``["<source>","<id>"]`` (``json.dumps`` with ``(",", ":")``
 separators, non-ASCII kept): unambiguous whatever characters either holds.
-Authentication is the generic scheme on ``source.signature_header`` (HMAC-SHA256
-hex of the raw body, optional ``word=`` prefix); that configured header is not
+Authentication is the generic, configurable scheme on ``source.signature_header``
+(``_scheme.py``; by default HMAC-SHA256 hex of the raw body, optional ``word=``
+prefix); that configured header is not
 in ``secret_headers``: ``providers.redacted_headers(source)`` adds it.
 Batched mode (``application/cloudevents-batch+json``) is refused.
+
+A sender that follows CloudEvents' "HTTP 1.1 Web Hooks for Event Delivery"
+(Azure Event Grid among them) first asks ``OPTIONS`` with
+``WebHook-Request-Origin``: :meth:`CloudEventsProvider.handshake` gives the
+answer's headers, allowing that origin.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+from werkzeug.datastructures import Headers
+
 from . import _common as c
+from . import _scheme
 from .base import Identified, Inbound, MissingKeyError, PayloadError, SourceConfig
 
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"
+# The spec's origin is a host name (such as eventgrid.azure.net); it is echoed
+# back in a header, so anything else is refused rather than reflected.
+_ORIGIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}")
 
 
 def _media_type(inbound: Inbound) -> str:
@@ -34,8 +47,21 @@ class CloudEventsProvider:
     secret_headers: frozenset[str] = frozenset()
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
-        """Check the configured HMAC header against every secret."""
-        c.verify_hex_body(inbound, source)
+        """Check the configured HMAC header, by the source's scheme, against every secret."""
+        _scheme.verify(inbound, source)
+
+    def handshake(self, headers: Headers, source: SourceConfig) -> dict[str, str] | None:
+        """Return the headers that answer a webhook validation request; None when not one."""
+        origin = (headers.get("WebHook-Request-Origin") or "").strip()
+        if not origin:
+            return None
+        if len(headers.getlist("WebHook-Request-Origin")) > 1 or not _ORIGIN.fullmatch(origin):
+            raise PayloadError("WebHook-Request-Origin must be one host name")
+        answer = {"WebHook-Allowed-Origin": origin, "Allow": "POST, OPTIONS"}
+        if "WebHook-Request-Rate" in headers:
+            # No limit on the rate: each delivery is one short transaction.
+            answer["WebHook-Allowed-Rate"] = "*"
+        return answer
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Read id, source and type from the JSON (structured) or the ce-* headers (binary)."""

@@ -1,7 +1,9 @@
-"""Any sender with an HMAC-SHA256 hex header and a stable key in a header or the JSON.
+"""Any sender with an HMAC signature header and a stable key in a header or the JSON.
 
-``source.signature_header`` holds ``[<word>=]<hex>``; that configured header is not in
-``secret_headers``: ``providers.redacted_headers(source)`` adds it.
+``source.signature_header`` holds the signature, by the source's configurable
+scheme (``_scheme.py``; by default HMAC-SHA256 hex of the body, optional
+``<word>=`` prefix); that configured header is not in ``secret_headers``:
+``providers.redacted_headers(source)`` adds it.
 ``source.dedup_key`` and ``source.extra["event_type"]`` are specs of the form
 ``header:<Name>`` or ``json:<RFC 6901 pointer>``. Because the key's location is
 per source, JSON is only required when the key is in it: see
@@ -14,6 +16,7 @@ from typing import Any
 
 from ...config import parse_spec
 from . import _common as c
+from . import _scheme
 from .base import Identified, Inbound, PayloadError, SourceConfig
 
 
@@ -49,8 +52,8 @@ class GenericProvider:
         return source.dedup_key.startswith("json:")
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
-        """Check the configured HMAC header against every secret."""
-        c.verify_hex_body(inbound, source)
+        """Check the configured HMAC header, by the source's scheme, against every secret."""
+        _scheme.verify(inbound, source)
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Read the key (and the type, when configured) where the source says."""

@@ -1,9 +1,24 @@
-"""Slack: ``X-Slack-Signature: v0=<hex>`` over ``v0:<timestamp>:<raw body>``; key is event_id."""
+"""Slack: ``X-Slack-Signature: v0=<hex>`` over ``v0:<timestamp>:<raw body>``; key is event_id.
+
+Only ``event_callback`` requests carry an ``event_id``. The others are
+notices about the app, such as ``app_rate_limited``: they are answered 200
+``{"status": "ignored", "type": ...}`` once their signature is checked, logged,
+and stored nowhere (``url_verification`` gets its challenge back).
+"""
 
 from __future__ import annotations
 
+import logging
+
 from . import _common as c
 from .base import Identified, Inbound, PayloadError, SignatureError, SourceConfig
+
+log = logging.getLogger(__name__)
+
+# The one callback type that is an event: it must have its event_id.
+EVENT_CALLBACK = "event_callback"
+# An ignored callback's type is logged and echoed: real ones are short words.
+_MAX_TYPE_LENGTH = 100
 
 
 class SlackProvider:
@@ -36,7 +51,7 @@ class SlackProvider:
         c.check_tolerance(signed_at, inbound, source)
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
-        """Answer the handshake at once; otherwise the event_id survives Slack's retries."""
+        """Answer the handshake and id-less notices at once; event_id survives Slack's retries."""
         payload = c.json_object(inbound)
         if payload.get("type") == "url_verification":
             challenge = payload.get("challenge")
@@ -46,6 +61,21 @@ class SlackProvider:
                 dedup_key="",
                 event_type="url_verification",
                 immediate_response={"challenge": challenge},
+            )
+        callback = c.str_or_none(payload.get("type"))
+        if payload.get("event_id") is None and callback and callback != EVENT_CALLBACK:
+            # A notice (app_rate_limited, ...), not an event: acknowledged, so
+            # Slack does not retry it, and nothing is stored.
+            if len(callback) > _MAX_TYPE_LENGTH:
+                raise PayloadError(f"callback type longer than {_MAX_TYPE_LENGTH} characters")
+            log.info(
+                "slack callback ignored",
+                extra={"outcome": "ignored", "source": source.name, "callback_type": callback},
+            )
+            return Identified(
+                dedup_key="",
+                event_type=callback,
+                immediate_response={"status": "ignored", "type": callback},
             )
         event = payload.get("event")
         event_type = c.str_or_none(event.get("type")) if isinstance(event, dict) else None

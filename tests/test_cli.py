@@ -1,0 +1,187 @@
+"""The flask commands after ``make run``'s set-up, with nothing exported; one-line errors; stopping.
+
+Each test works in a fresh checkout (tests/checkout.py): its own instance
+folder, written by the Makefile as ``make run`` writes it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from .checkout import bare_env, fresh_checkout, run
+from .databases import throwaway_postgresql
+from .servers import free_port, wait_until
+
+SETUP = "make instance/config.toml instance/secret_key && .venv/bin/flask --app wsgi db upgrade"
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """A checkout set up as ``make run`` sets it up, without starting anything."""
+    root = fresh_checkout(tmp_path)
+    result = run(root, SETUP)
+    assert result.returncode == 0, result.stdout
+    return root
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout  # no traceback
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+def test_purge_after_make_runs_setup_needs_nothing_exported(checkout):
+    result = run(checkout, ".venv/bin/flask --app wsgi purge")
+    assert result.returncode == 0, result.stdout
+    assert "purged 0 event(s) past retention" in result.stdout
+
+
+def test_purge_finds_the_secret_key_of_make_run_when_the_admin_is_on(checkout):
+    # With the admin on, the key is needed: it is read from instance/secret_key.
+    env = bare_env(WEBHOOK_RECEIVER_ADMIN_PASSWORD="a password for the admin")
+    result = run(checkout, ".venv/bin/flask --app wsgi purge", env)
+    assert result.returncode == 0, result.stdout
+
+
+def test_worker_drain_after_make_runs_setup_needs_nothing_exported(checkout):
+    result = run(checkout, ".venv/bin/flask --app wsgi worker --drain")
+    assert result.returncode == 0, result.stdout
+    assert "worker processed 0 deliveries" in result.stdout
+
+
+def test_a_missing_secret_key_is_one_line_naming_the_fix(checkout):
+    (checkout / "instance" / "secret_key").unlink()
+    env = bare_env(WEBHOOK_RECEIVER_ADMIN_PASSWORD="a password for the admin")
+    line = _one_line_error(run(checkout, ".venv/bin/flask --app wsgi purge", env))
+    assert "SECRET_KEY is missing" in line
+    assert "make instance/secret_key" in line
+
+
+def test_purge_before_the_migrations_is_one_line_naming_the_fix(tmp_path):
+    root = fresh_checkout(tmp_path)
+    line = _one_line_error(run(root, ".venv/bin/flask --app wsgi purge"))
+    assert "flask --app wsgi db upgrade" in line
+
+
+def test_purge_on_an_empty_postgresql_database_says_to_migrate(checkout):
+    with throwaway_postgresql("wr_cli") as (url, _admin, _name):
+        result = run(checkout, ".venv/bin/flask --app wsgi purge", bare_env(DATABASE_URL=url))
+    line = _one_line_error(result)
+    assert "no schema yet" in line
+    assert "flask --app wsgi db upgrade" in line
+
+
+def test_a_database_that_does_not_exist_is_not_taken_for_a_missing_schema(checkout):
+    with throwaway_postgresql("wr_cli") as (url, _admin, name):
+        missing = url.replace(name, name + "_missing")
+        result = run(checkout, ".venv/bin/flask --app wsgi purge", bare_env(DATABASE_URL=missing))
+    assert "cannot be reached" in _one_line_error(result)
+
+
+def test_purge_with_the_database_down_is_one_line(checkout):
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"
+    line = _one_line_error(
+        run(checkout, ".venv/bin/flask --app wsgi purge", bare_env(DATABASE_URL=url))
+    )
+    assert "cannot be reached" in line
+    assert "DATABASE_URL" in line
+
+
+# -- make run and make stop ----------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _make_run(root: Path, port: int) -> tuple[subprocess.Popen[bytes], set[int]]:
+    log = open(root / "make-run.log", "wb")  # noqa: SIM115 - closed with the process
+    make = subprocess.Popen(
+        ["make", "run", f"BIND=127.0.0.1:{port}", "WORKERS=1"],
+        cwd=root,
+        env=bare_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+
+    def healthy() -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok
+        except requests.RequestException:
+            return False
+
+    try:
+        assert wait_until(healthy, timeout=60), (root / "make-run.log").read_text()
+        # The supervisor, gunicorn's master and worker, and the delivery worker.
+        assert wait_until(lambda: len(_descendants(make.pid)) >= 4, timeout=30)
+    except BaseException:
+        for pid in _descendants(make.pid):
+            os.kill(pid, signal.SIGKILL)
+        make.kill()
+        make.wait()
+        raise
+    return make, _descendants(make.pid)
+
+
+@pytest.mark.slow
+def test_one_sigterm_to_make_run_stops_every_process(checkout):
+    make, processes = _make_run(checkout, free_port())
+    try:
+        make.send_signal(signal.SIGTERM)
+        make.wait(timeout=60)
+        assert wait_until(lambda: not any(_alive(p) for p in processes), timeout=30), [
+            p for p in processes if _alive(p)
+        ]
+        assert not (checkout / "instance" / "run.pid").exists()
+    finally:
+        for pid in processes:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_make_stop_stops_what_make_run_started(checkout):
+    make, processes = _make_run(checkout, free_port())
+    try:
+        printed = (checkout / "make-run.log").read_text()
+        pid = int((checkout / "instance" / "run.pid").read_text())
+        assert f"running as pid {pid}" in printed
+        result = run(checkout, "make stop")
+        assert result.returncode == 0, result.stdout
+        assert f"stopped (pid {pid})" in result.stdout
+        make.wait(timeout=60)
+        assert not any(_alive(p) for p in processes)
+    finally:
+        for pid in processes:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

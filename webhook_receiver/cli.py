@@ -1,0 +1,62 @@
+"""The app's ``flask`` commands end a known failure with one line naming the fix.
+
+A configuration error, a database that cannot be reached, or one without
+its schema says so and how to fix it; a traceback is kept for the bugs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import click
+from flask import Flask
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+
+from .config import ConfigError
+
+# SQLite says "no such table"; PostgreSQL raises UndefinedTable ('relation "x" does
+# not exist'), not to be confused with a database that does not exist.
+_NO_SCHEMA = ("no such table", "undefinedtable", 'relation "')
+
+
+def explain(exc: BaseException) -> str | None:
+    """The one-line message for a failure an operator can fix, or None for a bug."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, DBAPIError):
+        cause = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        if isinstance(exc, OperationalError | ProgrammingError) and any(
+            marker in f"{type(exc.orig).__name__} {cause}".lower() for marker in _NO_SCHEMA
+        ):
+            return (
+                f"the database has no schema yet ({cause}): "
+                "run `flask --app wsgi db upgrade` (make run does)"
+            )
+        if isinstance(exc, OperationalError | InterfaceError):
+            return (
+                f"the database cannot be reached ({cause}): "
+                "is it running, and is DATABASE_URL right?"
+            )
+    return None
+
+
+def _one_line(invoke: Callable[[click.Context], Any]) -> Callable[[click.Context], Any]:
+    @functools.wraps(invoke)
+    def wrapper(ctx: click.Context) -> Any:
+        try:
+            return invoke(ctx)
+        except (ConfigError, DBAPIError) as exc:
+            message = explain(exc)
+            if message is None:
+                raise
+            raise click.ClickException(message) from exc
+
+    return wrapper
+
+
+def init_app(app: Flask) -> None:
+    """Give each of the app's commands (registered by now) one-line errors."""
+    for command in app.cli.commands.values():
+        command.invoke = _one_line(command.invoke)  # type: ignore[method-assign,assignment]
