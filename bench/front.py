@@ -120,3 +120,49 @@ def nginx(upstream_url: str, prefix: Path) -> Iterator[Front]:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=5)
+
+
+def paired(rounds: int = 6, seconds: int = 3) -> list[tuple[float, float]]:
+    """Requests/s on /healthz, straight on gunicorn and through nginx, interleaved.
+
+    One gunicorn (2 sync workers, SQLite) serves both, and each pair runs
+    back to back, so a machine whose load changes from minute to minute
+    moves both sides of a pair alike: the ratios stay comparable where
+    separate runs of ``python -m bench`` are not.
+    """
+    import tempfile
+
+    from .run import app_env, gunicorn, migrate
+
+    def rate(url: str) -> float:
+        command = ["wrk", "-t1", "-c4", f"-d{seconds}s", url + "/healthz"]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        found = re.search(r"Requests/sec:\s+([\d.]+)", out)
+        if found is None:
+            raise RuntimeError(f"wrk printed no rate:\n{out}")
+        return float(found.group(1))
+
+    work = Path(tempfile.mkdtemp(prefix="wr-front-"))
+    (work / "config.toml").write_text("")
+    env = app_env(f"sqlite:///{work / 'db.sqlite3'}", work / "config.toml")
+    migrate(env)
+    pairs = []
+    with (
+        gunicorn("wsgi:app", env, 2, work / "gunicorn.log", ready_path="/healthz") as served,
+        nginx(served.url, work / "nginx") as front,
+    ):
+        rate(served.url)  # warm-up, both ways
+        rate(front.url)
+        for _ in range(rounds):
+            pairs.append((rate(served.url), rate(front.url)))
+            print(f"direct {pairs[-1][0]:7.0f} req/s   nginx {pairs[-1][1]:7.0f} req/s", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return pairs
+
+
+if __name__ == "__main__":
+    import statistics
+
+    measured = paired()
+    ratio = statistics.median(n / d for d, n in measured)
+    print(f"median ratio nginx/direct: {ratio:.2f}")

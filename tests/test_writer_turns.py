@@ -163,23 +163,24 @@ def test_threads_of_one_process_take_turns_too(sqlite_app, monkeypatch):
 
 
 def test_an_api_request_without_a_turn_frees_its_key(sqlite_app, monkeypatch):
-    # The claim commits, then the view cannot get its turn: the answer is a
-    # 503 and the retry runs, instead of waiting out the lease on a 409.
+    # The key is read (free), then the transaction that would claim it
+    # cannot get its turn: the answer is a 503, nothing was claimed, and the
+    # retry runs.
     monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
     client = sqlite_app.test_client()
-    real_claim = records.claim
+    real_find = records.find
     holding = ExitStack()
 
-    def claim_then_lose_the_turn(*args, **kwargs):
-        outcome = real_claim(*args, **kwargs)
+    def find_then_lose_the_turn(*args, **kwargs):
+        outcome = real_find(*args, **kwargs)
         holding.enter_context(turn_held_elsewhere(lock_path(sqlite_app)))
         return outcome
 
-    monkeypatch.setattr(records, "claim", claim_then_lose_the_turn)
+    monkeypatch.setattr(records, "find", find_then_lose_the_turn)
     headers = {**bearer(), "Idempotency-Key": "order-1"}
     body = {"type": "order.created", "data": {"n": 1}}
     with holding:
         refused = client.post("/api/events", json=body, headers=headers)
     assert refused.status_code == 503
-    monkeypatch.setattr(records, "claim", real_claim)
+    monkeypatch.setattr(records, "find", real_find)
     assert client.post("/api/events", json=body, headers=headers).status_code == 201

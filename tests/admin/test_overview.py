@@ -67,7 +67,7 @@ def test_counts_for_a_day_and_a_week(admin_app, admin):
     }
     assert '<span class="n">2</span> dead deliveries' in page
     assert '<span class="n">1</span> deliveries waiting' in page
-    assert '<span class="n">2</span> conflicts to review' in page
+    assert '<span class="n">2</span> dedup-key conflicts to review' in page
 
 
 def test_chart_draws_received_and_duplicates_per_hour(admin_app, admin):

@@ -77,7 +77,12 @@ def _delivery_rows(event_id: int) -> list[dict[str, Any]]:
 
 def _count(model: Any) -> int:
     db.session.rollback()  # a fresh snapshot: what is committed now
-    return db.session.scalar(select(func.count()).select_from(model)) or 0
+    try:
+        return db.session.scalar(select(func.count()).select_from(model)) or 0
+    finally:
+        # End the read: on PostgreSQL its lock on the table would hold up the
+        # DDL that drops the injected failure (on another connection) for ever.
+        db.session.rollback()
 
 
 @pytest.mark.parametrize("forwards", [False, True], ids=["alone", "with-deliveries"])
@@ -168,12 +173,15 @@ def _fail_outbox_inserts() -> None:
             "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
             "FOR EACH ROW EXECUTE FUNCTION fail_outbox()",
         ]
+    db.session.rollback()
     with db.engine.begin() as conn:
         for statement in ddl:
             conn.execute(text(statement))
 
 
 def _drop_failure() -> None:
+    # The session's read holds a lock on the tables that DROP TRIGGER would wait for.
+    db.session.rollback()
     with db.engine.begin() as conn:
         conn.execute(text("DROP TRIGGER fail_outbox" + ("" if _sqlite() else " ON deliveries")))
         if not _sqlite():

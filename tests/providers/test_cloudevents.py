@@ -80,10 +80,17 @@ def test_structured_unreadable_json() -> None:
         P.identify(structured(body="[1, 2]"), SRC)
 
 
-def test_batch_mode_refused() -> None:
-    d = inbound("[]", {}, content_type="application/cloudevents-batch+json")
+def test_a_batch_is_split_not_identified() -> None:
+    batch = json.dumps([{**ATTRS, "id": "1"}, {**ATTRS, "id": "2"}])
+    d = inbound(batch, {}, content_type="application/cloudevents-batch+json")
     with pytest.raises(PayloadError):
         P.identify(d, SRC)
+    parts = P.parts(d, SRC)
+    assert [p.identified.dedup_key for p in parts] == [
+        json.dumps([ATTRS["source"], n], separators=(",", ":")) for n in ("1", "2")
+    ]
+    assert parts[0].json == {**ATTRS, "id": "1"}
+    assert P.parts(structured(), SRC) is None
 
 
 @pytest.mark.parametrize("drop", ["id", "source"])

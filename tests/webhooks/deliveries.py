@@ -36,4 +36,8 @@ def delivery_for(source: str, key: str) -> tuple[bytes, dict[str, str]]:
     if source == "generic-json":
         body = s.dumps({"meta": {"delivery": key}})
         return body, {"X-Hub-Signature": s.hmac_hex(body), "Content-Type": "application/json"}
+    if source == "paddle":
+        return s.paddle_delivery(
+            {"notification_id": key, "event_id": "evt_1", "event_type": "transaction.created"}
+        )
     raise AssertionError(f"no delivery builder for source {source}")

@@ -22,6 +22,7 @@ SHOPIFY_SECRET = "shpss_test_secret_0123456789"
 SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 GITLAB_SECRET = "gitlab-token-0123456789"
 GENERIC_SECRET = "generic-secret-0123456789"
+PADDLE_SECRET = "pdl_ntfset_test_secret_0123456789"
 
 SOURCES: dict[str, dict[str, Any]] = {
     "stripe-live": {"provider": "stripe", "secrets": [STRIPE_SECRET]},
@@ -41,6 +42,7 @@ SOURCES: dict[str, dict[str, Any]] = {
         "signature_header": "X-Hub-Signature",
         "dedup_key": "json:/meta/delivery",
     },
+    "paddle": {"provider": "paddle", "secrets": [PADDLE_SECRET]},
 }
 
 
@@ -106,3 +108,11 @@ def slack_delivery(payload: dict[str, Any], t: int | None = None):
 
 def hmac_hex(body: bytes, secret: str = GENERIC_SECRET) -> str:
     return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def paddle_delivery(payload: dict[str, Any], t: int | None = None):
+    """A Paddle Billing notification: ``Paddle-Signature: ts=<t>;h1=<hmac of t:body>``."""
+    body = dumps(payload)
+    ts = t if t is not None else int(time.time())
+    digest = hmac.new(PADDLE_SECRET.encode(), b"%d:%s" % (ts, body), hashlib.sha256).hexdigest()
+    return body, {"Paddle-Signature": f"ts={ts};h1={digest}", "Content-Type": "application/json"}

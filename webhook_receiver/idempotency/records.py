@@ -212,8 +212,7 @@ def claim_in_transaction(
     """
     token = secrets.token_hex(16)
     values = _claim_values(req, token, now, timedelta(0), ttl)
-    values.update(completed_at=None, response_status=None, response_headers=None)
-    values["response_body"] = None
+    values.update(dict.fromkeys(_RESPONSE_COLUMNS))
     claimed_id = _upsert(req, values, now, lock_timeout)
     return None if claimed_id is None else Claimed(claimed_id, token)
 
@@ -269,6 +268,7 @@ _UPSERT_COLUMNS = (
     *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
     *("response_headers", "response_body"),
 )
+_RESPONSE_COLUMNS = ("completed_at", "response_status", "response_headers", "response_body")
 _UPSERTS: dict[str, Any] = {}
 
 

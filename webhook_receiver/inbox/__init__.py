@@ -21,11 +21,12 @@ from flask import Flask
 
 from . import duplicates
 from .driver import FastPathError
-from .messages import Accepted, Conflict, Duplicate, Message, Outcome
+from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .store import EXTENSION, Routes, add, receive, receive_many
 
 __all__ = [
     "Accepted",
+    "BatchRefused",
     "Conflict",
     "Duplicate",
     "FastPathError",

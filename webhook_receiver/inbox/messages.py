@@ -53,3 +53,15 @@ class Conflict:
 
 
 Outcome = Accepted | Duplicate | Conflict
+
+
+class BatchRefused(Exception):
+    """An all-or-nothing batch held a conflict: none of it was stored.
+
+    ``conflicts`` are those with events stored before the batch, kept for
+    review; a key used twice inside the batch with other content has none.
+    """
+
+    def __init__(self, conflicts: list[Conflict]) -> None:
+        super().__init__(f"{len(conflicts)} message(s) conflict with stored events")
+        self.conflicts = conflicts

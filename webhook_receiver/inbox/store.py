@@ -25,7 +25,7 @@ from ..models import utcnow
 from ..processing.deliveries import new_delivery_columns
 from . import duplicates
 from .driver import driver_cursor
-from .messages import Accepted, Conflict, Duplicate, Message, Outcome
+from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .statements import CONFLICT_COLUMNS, Statements, for_engine
 
 log = logging.getLogger(__name__)
@@ -97,24 +97,63 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
     raise RuntimeError("receipt did not settle")  # pragma: no cover
 
 
-def receive_many(messages: Sequence[Message]) -> list[Outcome]:
+def receive_many(messages: Sequence[Message], *, all_or_nothing: bool = False) -> list[Outcome]:
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
     New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
     RETURNING`` and their deliveries one more INSERT. A key repeated inside
     the batch is settled against its first occurrence. Raises the database's
     error (nothing committed) when it is away or locked.
+
+    ``all_or_nothing``: a batch with a conflict stores none of its events;
+    the conflicts with stored events are kept for review all the same, and
+    BatchRefused says which.
     """
     if not messages:
         return []
     engine = db.engine
     statements = for_engine(engine)
-    routes = _routes()
     now = utcnow()
     first: dict[tuple[str, str], int] = {}
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
+    try:
+        outcomes, new_ids, conflicts = _store_batch(
+            engine, statements, messages, first, rows, now, all_or_nothing
+        )
+    except _Refused as refused:
+        outcomes, new_ids, conflicts = refused.args
+        # Only a conflict with an event stored before the batch can be kept:
+        # the batch's own events were rolled back.
+        kept = [(m, event_id) for m, event_id in conflicts if event_id not in new_ids.values()]
+        with transaction(engine) as conn:
+            for message, event_id in kept:
+                _keep_conflict(conn, statements, event_id, message, now)
+        for message, event_id in kept:
+            _log_outcome(message, Conflict(event_id))
+        raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
+    for message, outcome in zip(messages, outcomes, strict=True):
+        if isinstance(outcome, Duplicate):
+            duplicates.record(outcome.event_id, message.received_at or now)
+        _log_outcome(message, outcome)
+    return outcomes
+
+
+class _Refused(Exception):
+    """Roll an all-or-nothing batch back; carries its outcomes, new ids and conflicts."""
+
+
+def _store_batch(
+    engine: Engine,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+    all_or_nothing: bool,
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    routes = _routes()
     with transaction(engine) as conn:
         new_ids = {
             (row.source, row.dedup_key): row.id
@@ -148,13 +187,11 @@ def receive_many(messages: Sequence[Message]) -> list[Outcome]:
             else:
                 outcomes.append(Conflict(reference.id))
                 conflicts.append((message, reference.id))
+        if conflicts and all_or_nothing:
+            raise _Refused(outcomes, new_ids, conflicts)
         for message, event_id in conflicts:
             _keep_conflict(conn, statements, event_id, message, now)
-    for message, outcome in zip(messages, outcomes, strict=True):
-        if isinstance(outcome, Duplicate):
-            duplicates.record(outcome.event_id, message.received_at or now)
-        _log_outcome(message, outcome)
-    return outcomes
+    return outcomes, new_ids, conflicts
 
 
 def add(message: Message) -> int | None:

@@ -26,6 +26,7 @@ from .providers import (
     Identified,
     Inbound,
     MissingKeyError,
+    Part,
     PayloadError,
     SignatureError,
     SourceConfig,
@@ -33,6 +34,7 @@ from .providers import (
     decoded,
     get_provider,
     needs_json,
+    parts,
     redacted_headers,
 )
 
@@ -87,6 +89,14 @@ def receive(
     if json_error is not None and json_required:
         raise Problem("payload-invalid", f"{provider.name} deliveries are JSON: {json_error}")
     try:
+        batch = parts(inbound, source)
+    except MissingKeyError as exc:
+        raise Problem("dedup-key-missing", str(exc)) from exc
+    except PayloadError as exc:
+        raise Problem("payload-invalid", str(exc)) from exc
+    if batch is not None:
+        return _store_batch(source, batch, content_type, headers)
+    try:
         identified = provider.identify(inbound, source)
     except MissingKeyError as exc:
         raise Problem("dedup-key-missing", str(exc)) from exc
@@ -102,6 +112,67 @@ def receive(
     # counters change per attempt and must not.
     print_ = fingerprint([identified.event_type or "", content])
     return _store(source, identified, print_, body, content_type, headers)
+
+
+def _store_batch(
+    source: SourceConfig, batch: list[Part], content_type: str, headers: Headers
+) -> Receipt:
+    """Store each event of a verified batch as its own, all in one transaction, or none."""
+    redacted = _redacted(source, headers)
+    # Each event is stored as a structured delivery of it would be: its own
+    # JSON, so the fingerprint matches that delivery's.
+    entry_type = content_type.replace("cloudevents-batch+json", "cloudevents+json", 1)
+    messages = []
+    for part in batch:
+        _check_storable(part.identified, entry_type)
+        content = canonical_json(part.json)
+        messages.append(
+            inbox.Message(
+                source=source.name,
+                dedup_key=part.identified.dedup_key,
+                fingerprint=fingerprint([part.identified.event_type or "", content]),
+                body=content,
+                event_type=part.identified.event_type,
+                content_type=entry_type or None,
+                headers=redacted,
+                meta=part.identified.meta,
+                correlation_id=correlation.current(),
+            )
+        )
+    by_key: dict[str, str] = {}
+    for message in messages:
+        if by_key.setdefault(message.dedup_key, message.fingerprint) != message.fingerprint:
+            raise Problem(
+                "payload-invalid",
+                f"the batch holds two different events with the key {message.dedup_key}",
+            )
+    try:
+        outcomes = inbox.receive_many(messages, all_or_nothing=True)
+    except inbox.BatchRefused as refused:
+        for _ in refused.conflicts:
+            metrics.conflict(source.name)
+        raise Problem(
+            "dedup-key-conflict",
+            "an event of this batch has the key of an event already received with different "
+            "content; nothing of the batch was stored, the conflicting event is kept for review",
+            event_id=refused.conflicts[0].event_id if refused.conflicts else None,
+        ) from refused
+    entries = []
+    for outcome in outcomes:
+        new = isinstance(outcome, inbox.Accepted)
+        (metrics.received if new else metrics.duplicate)(source.name)
+        entries.append({"event_id": outcome.event_id, "status": "accepted" if new else "duplicate"})
+    replayed = all(entry["status"] == "duplicate" for entry in entries)
+    return Receipt(
+        "duplicate" if replayed else "accepted", {"status": "accepted", "events": entries}
+    )
+
+
+def _redacted(source: SourceConfig, headers: Headers) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (name, value)
+        for name, value in events.redact_headers(headers.items(), redacted_headers(source))
+    )
 
 
 def _column_length(name: str) -> int:
@@ -157,10 +228,7 @@ def _store(
         body=body,
         event_type=identified.event_type,
         content_type=content_type or None,
-        headers=tuple(
-            (name, value)
-            for name, value in events.redact_headers(headers.items(), redacted_headers(source))
-        ),
+        headers=_redacted(source, headers),
         meta=identified.meta,
         correlation_id=correlation.current(),
     )

@@ -16,6 +16,7 @@ from .base import (
     Identified,
     Inbound,
     MissingKeyError,
+    Part,
     PayloadError,
     Provider,
     ProviderError,
@@ -81,6 +82,16 @@ def decoded(inbound: Inbound, source: SourceConfig) -> Inbound:
     return decode(inbound, source) if decode else inbound
 
 
+def parts(inbound: Inbound, source: SourceConfig) -> list[Part] | None:
+    """Return each event of a batched delivery; None when the delivery is not a batch.
+
+    Only CloudEvents batches (``application/cloudevents-batch+json``). Raises
+    PayloadError (or MissingKeyError) for a batch that cannot be stored whole.
+    """
+    split = getattr(get_provider(source.provider), "parts", None)
+    return split(inbound, source) if split else None
+
+
 def handshake(source: SourceConfig, headers: Headers) -> dict[str, str] | None:
     """Return the headers answering a provider's OPTIONS handshake; None when it is not one.
 
@@ -114,6 +125,7 @@ __all__ = [
     "MissingKeyError",
     "PaddleProvider",
     "PayloadError",
+    "Part",
     "Provider",
     "ProviderError",
     "ShopifyProvider",
@@ -127,5 +139,6 @@ __all__ = [
     "get_provider",
     "handshake",
     "needs_json",
+    "parts",
     "redacted_headers",
 ]

@@ -60,6 +60,14 @@ class Identified:
     immediate_response: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Part:
+    """One event of a batched delivery: what it is, and its own JSON."""
+
+    identified: Identified
+    json: Any
+
+
 class Provider(Protocol):
     """A signature scheme and a dedup rule for one kind of sender."""
 

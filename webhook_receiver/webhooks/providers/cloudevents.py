@@ -7,7 +7,10 @@ Authentication is the generic, configurable scheme on ``source.signature_header`
 (``_scheme.py``; by default HMAC-SHA256 hex of the raw body, optional ``word=``
 prefix); that configured header is not
 in ``secret_headers``: ``providers.redacted_headers(source)`` adds it.
-Batched mode (``application/cloudevents-batch+json``) is refused.
+Batched mode (``application/cloudevents-batch+json``, a JSON array of
+structured events) is verified once over the raw body, then split by
+:meth:`CloudEventsProvider.parts`: each event is stored as its own, under its
+own key, as a structured delivery of it would be.
 
 A sender that follows CloudEvents' "HTTP 1.1 Web Hooks for Event Delivery"
 (Azure Event Grid among them) first asks ``OPTIONS`` with
@@ -25,7 +28,7 @@ from werkzeug.datastructures import Headers
 
 from . import _common as c
 from . import _scheme
-from .base import Identified, Inbound, MissingKeyError, PayloadError, SourceConfig
+from .base import Identified, Inbound, MissingKeyError, Part, PayloadError, SourceConfig
 
 STRUCTURED = "application/cloudevents+json"
 BATCH = "application/cloudevents-batch+json"
@@ -67,31 +70,56 @@ class CloudEventsProvider:
         """Read id, source and type from the JSON (structured) or the ce-* headers (binary)."""
         media_type = _media_type(inbound)
         if media_type == BATCH:
-            raise PayloadError("batched CloudEvents are not supported")
+            raise PayloadError("a batch is stored through parts(), not as one event")
         attributes: dict[str, Any]
         if media_type == STRUCTURED:
             event = inbound.json if inbound.json is not None else c.parse_json(inbound.body)
             if not isinstance(event, dict):
                 raise PayloadError("structured CloudEvent is not a JSON object")
-            attributes = event
+            return _identify(event, "structured")
         else:
             attributes = {
                 name: c.optional_header(inbound, f"ce-{name}")
                 for name in ("id", "source", "type", "specversion")
             }
-        ce_id, ce_source = (
-            c.str_or_none(attributes.get("id")),
-            c.str_or_none(attributes.get("source")),
-        )
-        if ce_id is None or ce_source is None:
-            raise MissingKeyError("CloudEvent without id or source")
-        key = json.dumps([ce_source, ce_id], separators=(",", ":"), ensure_ascii=False)
-        meta = {"ce_mode": "structured" if media_type == STRUCTURED else "binary"}
-        specversion = c.str_or_none(attributes.get("specversion"))
-        if specversion:
-            meta["ce_specversion"] = specversion
-        return Identified(
-            dedup_key=c.dedup_key(key),
-            event_type=c.str_or_none(attributes.get("type")),
-            meta=meta,
-        )
+        return _identify(attributes, "binary")
+
+    def parts(self, inbound: Inbound, source: SourceConfig) -> list[Part] | None:
+        """Split a batch into its events; None when the delivery is not a batch."""
+        if _media_type(inbound) != BATCH:
+            return None
+        events = inbound.json if inbound.json is not None else c.parse_json(inbound.body)
+        if not isinstance(events, list):
+            raise PayloadError("a CloudEvents batch is a JSON array of events")
+        if not events:
+            raise PayloadError("the CloudEvents batch is empty")
+        found: list[Part] = []
+        for n, event in enumerate(events):
+            if not isinstance(event, dict):
+                raise PayloadError(f"batch entry {n} is not a JSON object")
+            try:
+                identified = _identify(event, "batch")
+            except MissingKeyError as exc:
+                raise MissingKeyError(f"batch entry {n}: {exc}") from exc
+            found.append(Part(identified, event))
+        return found
+
+
+def _identify(attributes: dict[str, Any], mode: str) -> Identified:
+    """The key (source and id), type and meta of one event's attributes."""
+    ce_id, ce_source = (
+        c.str_or_none(attributes.get("id")),
+        c.str_or_none(attributes.get("source")),
+    )
+    if ce_id is None or ce_source is None:
+        raise MissingKeyError("CloudEvent without id or source")
+    key = json.dumps([ce_source, ce_id], separators=(",", ":"), ensure_ascii=False)
+    meta = {"ce_mode": mode}
+    specversion = c.str_or_none(attributes.get("specversion"))
+    if specversion:
+        meta["ce_specversion"] = specversion
+    return Identified(
+        dedup_key=c.dedup_key(key),
+        event_type=c.str_or_none(attributes.get("type")),
+        meta=meta,
+    )
