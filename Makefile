@@ -35,6 +35,10 @@ instance/secret_key:
 RUN_PROCESSES = \
 	-- "$(VENV)/bin/gunicorn -c gunicorn.conf.py --bind $(BIND) --workers $(WORKERS) wsgi:app" \
 	-- "$(VENV)/bin/flask --app wsgi worker"
+# A broker consumer too, when the config has broker sources (docs/brokers.md);
+# expanded only when `run` starts, once the config file is in place.
+RUN_PROCESSES += $(if $(shell $(VENV)/bin/flask --app wsgi consume --list 2>/dev/null),\
+	-- "$(VENV)/bin/flask --app wsgi consume")
 
 # Serve and process on the embedded SQLite default with the sample config.
 # One SIGTERM or Ctrl-C (to make, or to the pid it prints) stops every process;

@@ -100,9 +100,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     processing.init_app(app)
     inbox.init_app(app, processing.routes(app))
 
+    from .brokers.cli import consume_command
     from .processing.cli import worker_command
 
     app.cli.add_command(worker_command)
+    app.cli.add_command(consume_command)
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
 
@@ -179,11 +181,11 @@ def _check_retention(app: Flask) -> None:
     if app.config["FORCE_SHORT_RETENTION"]:
         return
     file_config: cfg.FileConfig = app.config["FILE_CONFIG"]
-    for source in file_config.sources.values():
-        if source.retention_days < cfg.MIN_RETENTION_DAYS:
+    for name, days in file_config.retention_days().items():
+        if days < cfg.MIN_RETENTION_DAYS:
             raise cfg.ConfigError(
-                f"{file_config.path}: [sources.{source.name}] retention_days = "
-                f"{source.retention_days} is shorter than providers' redelivery window "
+                f"{file_config.path}: [sources.{name}] retention_days = "
+                f"{days} is shorter than providers' redelivery window "
                 f"({cfg.MIN_RETENTION_DAYS} days): duplicates would be accepted again. "
                 "Set WEBHOOK_RECEIVER_FORCE_SHORT_RETENTION=true to force it."
             )

@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 # The providers a source may name; webhooks.providers registers one
 # implementation for each, and checks at import that the two lists agree.
@@ -31,6 +32,9 @@ PROVIDER_NAMES = frozenset(
         "paddle",
     }
 )
+# Broker sources are consumed by ``flask consume`` (webhook_receiver.brokers),
+# never received over HTTP, so they are kept apart from the providers above.
+BROKER_PROVIDERS = frozenset({"rabbitmq", "nats"})
 # Stripe and Standard Webhooks retry for about three days; operators replay
 # dead letters later still. Markers kept for less let duplicates back in.
 MIN_RETENTION_DAYS = 3
@@ -161,6 +165,52 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return kind, arg
 
 
+def redact_url(url: str) -> str:
+    """The URL with any password (and query, where tokens travel) replaced by [redacted]."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user = parts.username or ""
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:[redacted]@{host}"
+        query = "[redacted]" if parts.query else ""
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return "[unparsable URL]"
+
+
+@dataclass(frozen=True)
+class BrokerSourceConfig:
+    """One ``[sources.<name>]`` table whose provider is a broker (rabbitmq or nats)."""
+
+    name: str
+    provider: str
+    url: str = field(repr=False)
+    dedup_key: str
+    event_type: str
+    # Most messages taken into one batch commit (``prefetch`` or ``batch``).
+    batch: int
+    retention_days: int = 30
+    queue: str | None = None
+    stream: str | None = None
+    durable: str | None = None
+    filter_subject: str | None = None
+    dead_letter_subject: str | None = None
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password redacted, for logs and pages."""
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        where = self.queue if self.provider == "rabbitmq" else self.stream
+        return (
+            f"BrokerSourceConfig(name={self.name!r}, provider={self.provider!r}, "
+            f"url={self.safe_url!r}, from={where!r})"
+        )
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """One ``[clients.<name>]`` table: an API client and its bearer token."""
@@ -179,6 +229,24 @@ class ForwardConfig:
     # None forwards every event type.
     event_types: tuple[str, ...] | None = None
     max_attempts: int | None = None
+    # amqp:// forwards publish to an exchange with a routing key ("{event_type}"
+    # in it is replaced); nats:// forwards to a JetStream subject.
+    exchange: str = ""
+    routing_key: str | None = None
+    subject: str | None = None
+    # Standard Webhooks secrets an HTTP forward signs with (one signature each).
+    signing_secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def scheme(self) -> str:
+        """The URL's scheme: http, https, amqp, amqps or nats."""
+        return self.url.partition("://")[0].lower()
+
+    def __repr__(self) -> str:
+        return (
+            f"ForwardConfig(name={self.name!r}, url={redact_url(self.url)!r}, "
+            f"signed={bool(self.signing_secrets)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -196,11 +264,19 @@ class FileConfig:
     path: str
     clients: dict[str, ClientConfig] = field(default_factory=dict)
     sources: dict[str, SourceConfig] = field(default_factory=dict)
+    # Sources fed by a message broker; no /webhooks/<name> endpoint for them.
+    brokers: dict[str, BrokerSourceConfig] = field(default_factory=dict)
     handlers: tuple[str, ...] = ()
     # Keyed by event source: a source name, or ``api:<client>``.
     forwards: dict[str, tuple[ForwardConfig, ...]] = field(default_factory=dict)
     ordering: dict[str, OrderingConfig] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def retention_days(self) -> dict[str, int]:
+        """Each configured source's retention in days, webhook and broker sources alike."""
+        days = {name: source.retention_days for name, source in self.sources.items()}
+        days.update((name, source.retention_days) for name, source in self.brokers.items())
+        return days
 
     def client_for_token(self, token: str) -> ClientConfig | None:
         """Find the client whose token this is, without a timing leak on the token."""
@@ -255,7 +331,16 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
     if len(set(tokens)) != len(tokens):
         raise ConfigError(f"{path}: two clients share one token")
     source_tables = _tables(raw, "sources", path)
-    sources = {name: _source(name, table, path) for name, table in source_tables.items()}
+    sources = {
+        name: _source(name, table, path)
+        for name, table in source_tables.items()
+        if table.get("provider") not in BROKER_PROVIDERS
+    }
+    brokers = {
+        name: _broker_source(name, table, path)
+        for name, table in source_tables.items()
+        if table.get("provider") in BROKER_PROVIDERS
+    }
     forwards: dict[str, tuple[ForwardConfig, ...]] = {}
     ordering: dict[str, OrderingConfig] = {}
     for kind, tables, prefix in (
@@ -278,6 +363,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
         path=path,
         clients=clients,
         sources=sources,
+        brokers=brokers,
         handlers=tuple(handlers),
         forwards=forwards,
         ordering=ordering,
@@ -333,6 +419,15 @@ _PROVIDER_KEYS: dict[str, frozenset[str]] = {
 }
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"}
+# Keys only some forward URL schemes read.
+_SCHEME_KEYS: dict[str, frozenset[str]] = {
+    "http": frozenset({"signing_secret", "signing_secrets"}),
+    "https": frozenset({"signing_secret", "signing_secrets"}),
+    "amqp": frozenset({"exchange", "routing_key"}),
+    "amqps": frozenset({"exchange", "routing_key"}),
+    "nats": frozenset({"subject"}),
+    "tls": frozenset({"subject"}),
+}
 
 
 def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
@@ -346,12 +441,22 @@ def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
                 f"{where} name must be 1-100 letters, digits, '.', '_' or '-' (got {name!r})"
             )
         here = f"{where} {name}:"
-        unknown = set(table) - _FORWARD_KEYS
-        if unknown:
-            raise ConfigError(f"{here} unknown key(s): {', '.join(sorted(unknown))}")
         url = table.get("url")
-        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-            raise ConfigError(f"{here} url must be an http:// or https:// URL")
+        scheme = url.partition("://")[0].lower() if isinstance(url, str) else ""
+        if (
+            not isinstance(url, str)
+            or scheme not in _SCHEME_KEYS
+            or not re.match(r"^[a-z]+://[^/\s]+", url, re.IGNORECASE)
+        ):
+            raise ConfigError(
+                f"{here} url must be an http://, https://, amqp://, amqps:// or nats:// URL"
+            )
+        unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
+        if unknown:
+            raise ConfigError(
+                f"{here} unknown key(s): {', '.join(sorted(unknown))} (in a {scheme}:// forward)"
+            )
+        transport = _forward_transport(table, scheme, here)
         timeout = table.get("timeout_seconds", 10)
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(f"{here} timeout_seconds must be a positive number")
@@ -375,9 +480,175 @@ def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
                 timeout_seconds=timeout,
                 event_types=None if event_types is None else tuple(event_types),
                 max_attempts=max_attempts,
+                **transport,
             )
         )
     return tuple(result)
+
+
+def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[str, Any]:
+    """The scheme-specific settings of a forward: exchange and routing key, subject, or secrets."""
+    if scheme in ("amqp", "amqps"):
+        exchange = table.get("exchange", "")
+        routing_key = table.get("routing_key")
+        if not isinstance(exchange, str):
+            raise ConfigError(f"{here} exchange must be a string ('' is the default exchange)")
+        if not isinstance(routing_key, str) or not routing_key:
+            raise ConfigError(f"{here} routing_key must be a non-empty string")
+        return {"exchange": exchange, "routing_key": routing_key}
+    if scheme in ("nats", "tls"):
+        subject = table.get("subject")
+        if not isinstance(subject, str) or not _SUBJECT.match(subject):
+            raise ConfigError(f"{here} subject must be a NATS subject without wildcards")
+        return {"subject": subject}
+    if "signing_secret" in table and "signing_secrets" in table:
+        raise ConfigError(f"{here} give signing_secret or signing_secrets, not both")
+    secrets = table.get("signing_secrets", [])
+    if "signing_secret" in table:
+        secrets = [table["signing_secret"]]
+    if not isinstance(secrets, list) or not all(
+        isinstance(s, str) and _is_standard_secret(s) for s in secrets
+    ):
+        raise ConfigError(f"{here} signing secrets must be whsec_<base64> strings")
+    if "signing_secrets" in table and not secrets:
+        raise ConfigError(f"{here} signing_secrets must not be empty")
+    return {"signing_secrets": tuple(secrets)}
+
+
+_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
+_BROKER_KEYS = {"provider", "url", "dedup_key", "event_type", "retention_days", *_PROCESSING_KEYS}
+_BROKER_PROVIDER_KEYS = {
+    "rabbitmq": frozenset({"queue", "prefetch"}),
+    "nats": frozenset({"stream", "durable", "filter_subject", "dead_letter_subject", "batch"}),
+}
+_BROKER_DEFAULTS = {
+    "rabbitmq": {"dedup_key": "property:message_id", "event_type": "property:type"},
+    "nats": {"dedup_key": "header:Nats-Msg-Id", "event_type": "subject"},
+}
+_URL_SCHEMES = {"rabbitmq": ("amqp", "amqps"), "nats": ("nats", "tls")}
+# Values a broker sets anew on each delivery (or per publish): a key taken
+# from one would make every redelivery look like a new message.
+PER_DELIVERY = frozenset(
+    {
+        "property:timestamp",
+        "property:expiration",
+        "header:nats-num-delivered",
+        "header:nats-sequence",
+        "header:nats-time-stamp",
+        "header:x-delivery-count",
+        "header:x-death",
+    }
+)
+
+
+def _broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceConfig:
+    where = f"{path}: [sources.{name}]"
+    if not name or "/" in name or name.startswith("api:"):
+        raise ConfigError(f"{where} is not a usable source name")
+    provider = table["provider"]
+    unknown = set(table) - _BROKER_KEYS - _BROKER_PROVIDER_KEYS[provider]
+    if unknown:
+        raise ConfigError(
+            f"{where} unknown key(s) for provider {provider}: {', '.join(sorted(unknown))}"
+        )
+    url = table.get("url")
+    if not isinstance(url, str) or url.partition("://")[0].lower() not in _URL_SCHEMES[provider]:
+        schemes = " or ".join(f"{s}://" for s in _URL_SCHEMES[provider])
+        raise ConfigError(f"{where} url must be a {schemes} URL")
+    specs = {key: table.get(key, default) for key, default in _BROKER_DEFAULTS[provider].items()}
+    for key, spec in specs.items():
+        try:
+            parse_broker_spec(spec, provider, key)
+        except ValueError as exc:
+            raise ConfigError(f"{where} {key}: {exc}") from exc
+    retention = table.get("retention_days", 30)
+    size_key = "prefetch" if provider == "rabbitmq" else "batch"
+    batch = table.get(size_key, 200)
+    for key, value in (("retention_days", retention), (size_key, batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where} {key} must be a positive integer")
+    if provider == "rabbitmq":
+        queue = table.get("queue")
+        if not isinstance(queue, str) or not queue:
+            raise ConfigError(f"{where} queue must name an existing queue")
+        return BrokerSourceConfig(
+            name=name,
+            provider=provider,
+            url=url,
+            retention_days=retention,
+            batch=min(batch, 65535),
+            queue=queue,
+            **specs,
+        )
+    stream = table.get("stream")
+    durable = table.get("durable", "webhook-receiver")
+    if not isinstance(stream, str) or not re.match(r"^[^\s.*>]+$", stream):
+        raise ConfigError(f"{where} stream must name an existing JetStream stream")
+    if not isinstance(durable, str) or not re.match(r"^[^\s.*>]+$", durable):
+        raise ConfigError(f"{where} durable must be a consumer name (no spaces, '.', '*' or '>')")
+    filter_subject = table.get("filter_subject")
+    if filter_subject is not None and (not isinstance(filter_subject, str) or not filter_subject):
+        raise ConfigError(f"{where} filter_subject must be a subject")
+    dead = table.get("dead_letter_subject")
+    if dead is not None and (not isinstance(dead, str) or not _SUBJECT.match(dead)):
+        raise ConfigError(f"{where} dead_letter_subject must be a subject without wildcards")
+    return BrokerSourceConfig(
+        name=name,
+        provider=provider,
+        url=url,
+        retention_days=retention,
+        batch=batch,
+        stream=stream,
+        durable=durable,
+        filter_subject=filter_subject,
+        dead_letter_subject=dead,
+        **specs,
+    )
+
+
+def parse_broker_spec(spec: Any, provider: str, key: str = "dedup_key") -> tuple[str, str]:
+    """Split a broker source's key or type spec into kind and argument (ValueError).
+
+    ``property:<name>`` (RabbitMQ), ``header:<name>``, ``json:<pointer>``, and
+    ``subject`` (NATS, event type only).
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"{spec!r} is not a string")
+    if spec == "subject":
+        if provider != "nats" or key != "event_type":
+            raise ValueError("'subject' is the event type of a NATS source only")
+        return "subject", ""
+    kind, sep, arg = spec.partition(":")
+    if kind == "property":
+        if provider != "rabbitmq" or not sep or not arg:
+            raise ValueError(f"{spec!r}: 'property:<name>' is for RabbitMQ sources")
+        if arg not in AMQP_PROPERTIES:
+            raise ValueError(f"{spec!r}: no AMQP property {arg!r}")
+    else:
+        parse_spec(spec)
+    if key == "dedup_key" and spec.lower() in PER_DELIVERY:
+        raise ValueError(f"{spec!r} changes with each delivery and cannot be a dedup key")
+    return kind, arg
+
+
+# The AMQP basic properties a spec may name (pika's attribute names).
+AMQP_PROPERTIES = frozenset(
+    {
+        "message_id",
+        "type",
+        "correlation_id",
+        "app_id",
+        "user_id",
+        "reply_to",
+        "content_type",
+        "content_encoding",
+        "timestamp",
+        "expiration",
+        "priority",
+        "delivery_mode",
+        "cluster_id",
+    }
+)
 
 
 def _ordering(table: dict[str, Any], where: str) -> OrderingConfig | None:
@@ -404,7 +675,8 @@ def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
         raise ConfigError(f"{where} is not a usable source name")
     provider = table.get("provider")
     if provider not in PROVIDER_NAMES:
-        raise ConfigError(f"{where} provider must be one of {', '.join(sorted(PROVIDER_NAMES))}")
+        names = sorted(PROVIDER_NAMES | BROKER_PROVIDERS)
+        raise ConfigError(f"{where} provider must be one of {', '.join(names)}")
     secrets = table.get("secrets", [])
     if (
         not isinstance(secrets, list)

@@ -81,8 +81,8 @@ def _scopes(
     """One scope per configured source (and client), then one for everything else."""
     file_config: FileConfig = config["FILE_CONFIG"]
     scopes = [
-        _Scope(name, column == name, now - timedelta(days=source.retention_days))
-        for name, source in file_config.sources.items()
+        _Scope(name, column == name, now - timedelta(days=days))
+        for name, days in file_config.retention_days().items()
     ]
     if with_clients:
         api_cutoff = now - timedelta(days=_days(config, "API_RETENTION_DAYS"))

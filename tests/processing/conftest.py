@@ -20,6 +20,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery
 from webhook_receiver.processing.worker import Worker
 
+from ..brokers.conftest import amqp_queue, jetstream, nats_url, rabbit_url  # noqa: F401
 from ..conftest import CLIENTS
 from . import handlers as test_handlers
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 from datetime import timedelta
 from email.utils import format_datetime
 
 import pytest
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
-from webhook_receiver.processing import deliveries, registry
+from webhook_receiver.models import Event
+from webhook_receiver.processing import deliveries, forwarding, registry
 
 from ..servers import free_port
 from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
@@ -380,3 +383,155 @@ def test_an_unexpected_error_does_not_stop_the_worker(
     row = delivery(app, event_id, "billing")
     assert (row["state"], row["attempts"]) == ("delivered", 2)
     assert len(downstream.calls) == 1
+
+
+# -- forwards to brokers, and signed HTTP forwards ---------------------------------
+
+
+def _publish_then_die(app, clock, worker, forward_name):
+    """Claim a delivery and publish it as the worker does, then die before marking it done."""
+    with app.app_context():
+        with unit_of_work():  # the claim commits on its own, as the worker's does
+            claim = deliveries.claim_next(clock(), worker.lease)
+        assert claim is not None and claim.consumer == forward_name
+        event = db.session.get(Event, claim.event_id)
+        out = forwarding.Outgoing(
+            event_id=event.id,
+            source=event.source,
+            dedup_key=event.dedup_key,
+            event_type=event.event_type,
+            content_type=event.content_type,
+            body=event.body,
+            correlation_id=event.correlation_id,
+        )
+        consumer = registry.get(app).find(event.source, forward_name)
+        db.session.rollback()
+        assert forwarding.send(worker.http, forward_name, consumer.forward, out).ok
+    return claim.event_id
+
+
+def test_amqp_forward_publishes_with_confirms_and_the_stable_message_id(
+    make_app, clock, make_worker, amqp_queue
+):
+    bus = forward("bus", amqp_queue.url, exchange="", routing_key=amqp_queue.name)
+    app = make_app(config_with([bus]), **FAST)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    event_id = store_event(app, clock, dedup_key="evt-1", correlation_id=trace_id)
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    [(props, body)] = amqp_queue.take_all(amqp_queue.name)
+    assert body == b'{"type": "order.paid", "data": {}}'
+    assert props.message_id == "bus:shop:evt-1"
+    assert props.correlation_id == trace_id
+    assert props.type == "order.paid"
+    assert props.content_type == "application/json"
+    assert props.headers["X-Webhook-Event-Id"] == str(event_id)
+    assert delivery(app, event_id, "bus")["state"] == "delivered"
+
+
+def test_amqp_forward_routing_key_takes_the_event_type(make_app, clock, make_worker, amqp_queue):
+    with amqp_queue.channel() as ch:
+        ch.exchange_declare(amqp_queue.name + ".x", "direct", auto_delete=True)
+        ch.queue_bind(amqp_queue.name, amqp_queue.name + ".x", routing_key="order.paid")
+    bus = forward(
+        "bus", amqp_queue.url, exchange=amqp_queue.name + ".x", routing_key="{event_type}"
+    )
+    app = make_app(config_with([bus]), **FAST)
+    store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    assert len(amqp_queue.take_all(amqp_queue.name)) == 1
+
+
+def test_amqp_forward_unroutable_is_a_retryable_failure(make_app, clock, make_worker, amqp_queue):
+    bus = forward("bus", amqp_queue.url, exchange="", routing_key=amqp_queue.name + "-nowhere")
+    app = make_app(config_with([bus]), **FAST)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "bus")
+    assert row["state"] == "pending"  # due again after its backoff
+    assert "unroutable" in row["last_error"]
+
+
+def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(
+    make_app, clock, make_worker, amqp_queue
+):
+    bus = forward("bus", amqp_queue.url, exchange="", routing_key=amqp_queue.name)
+    app = make_app(config_with([bus]), **FAST)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    _publish_then_die(app, clock, make_worker(app, clock), "bus")
+    assert delivery(app, event_id, "bus")["state"] == "in_progress"
+    clock.advance(FAST["WORKER_LEASE_SECONDS"] + 1)  # the dead worker's lease runs out
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    published = amqp_queue.take_all(amqp_queue.name)
+    # Two copies, one id: a consumer deduplicating on message_id applies it once.
+    assert [props.message_id for props, _ in published] == ["bus:shop:evt-1"] * 2
+
+
+def test_nats_forward_republished_after_a_worker_died_is_stored_once(
+    make_app, clock, make_worker, jetstream
+):
+    stream = forward("stream", jetstream.url, subject=f"{jetstream.prefix}.stripe")
+    app = make_app(config_with([stream]), **FAST)
+    event_id = store_event(app, clock, dedup_key="evt-1", correlation_id="req-1")
+    _publish_then_die(app, clock, make_worker(app, clock), "stream")
+    clock.advance(FAST["WORKER_LEASE_SECONDS"] + 1)
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    assert delivery(app, event_id, "stream")["attempts"] == 2
+
+    async def stored(nc):
+        js = nc.jetstream()
+        info = await js.stream_info(jetstream.name)
+        message = await js.get_msg(jetstream.name, info.state.last_seq)
+        return info.state.messages, message
+
+    count, message = jetstream.run(stored)
+    assert count == 1  # JetStream's duplicate window dropped the republish
+    assert message.headers["Nats-Msg-Id"] == "stream:shop:evt-1"
+    assert message.headers["X-Request-Id"] == "req-1"
+    assert message.headers["X-Webhook-Event-Type"] == "order.paid"
+    assert message.data == b'{"type": "order.paid", "data": {}}'
+
+
+def test_nats_forward_to_a_subject_without_stream_is_retried(
+    make_app, clock, make_worker, nats_url
+):
+    stream = forward("stream", nats_url, subject="wr-no-stream-here.x")
+    app = make_app(config_with([stream]), **FAST)
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    assert "no JetStream stream" in delivery(app, event_id, "stream")["last_error"]
+
+
+SIGNING_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+OLD_SECRET = "whsec_" + base64.b64encode(b"an older secret of 24 b.").decode()
+
+
+def test_signed_http_forward_verifies_with_standardwebhooks_and_tampered_does_not(
+    make_app, downstream, clock, make_worker
+):
+    billing = forward("billing", downstream.url + "/billing", signing_secret=SIGNING_SECRET)
+    app = make_app(config_with([billing]), **FAST)
+    store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    [call] = downstream.calls_to("/billing")
+    assert call.headers["webhook-id"] == "billing:shop:evt-1"
+    verified = Webhook(SIGNING_SECRET).verify(call.body, call.headers)
+    assert verified == {"type": "order.paid", "data": {}}
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SIGNING_SECRET).verify(call.body.replace(b"paid", b"refunded"), call.headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SIGNING_SECRET).verify(call.body, {**call.headers, "webhook-id": "other"})
+
+
+def test_signed_http_forward_with_rotated_secrets_signs_with_each(
+    make_app, downstream, clock, make_worker
+):
+    billing = forward(
+        "billing", downstream.url + "/billing", signing_secrets=[SIGNING_SECRET, OLD_SECRET]
+    )
+    app = make_app(config_with([billing]), **FAST)
+    store_event(app, clock, dedup_key="evt-1")
+    drain(app, make_worker(app, clock))
+    [call] = downstream.calls_to("/billing")
+    assert len(call.headers["webhook-signature"].split(" ")) == 2
+    for secret in (SIGNING_SECRET, OLD_SECRET):
+        Webhook(secret).verify(call.body, call.headers)

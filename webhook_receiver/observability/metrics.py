@@ -79,6 +79,11 @@ class Metrics:
             "Deliveries refused as unauthentic, by reason (signature or timestamp).",
             ("source", "reason"),
         )
+        self.broker_dead_letters = counter(
+            "broker_dead_letters",
+            "Broker messages dead-lettered by the consumer (conflict, no key, bad payload).",
+            ("source", "reason"),
+        )
         self.replays = counter(
             "replays", "Saved Idempotency-Key responses replayed, per source.", ("source",)
         )
@@ -115,31 +120,31 @@ def _metrics() -> Metrics | None:
     return current_app.extensions.get(EXTENSION)
 
 
-def received(source: str) -> None:
-    """Count an event stored for the first time."""
+def received(source: str, count: int = 1) -> None:
+    """Count an event stored for the first time (``count`` of them, for a batch)."""
     m = _metrics()
-    if m is not None:
-        m.received.labels(source).inc()
+    if m is not None and count:
+        m.received.labels(source).inc(count)
 
 
-def duplicate(source: str) -> None:
-    """Count a redelivery of a stored event."""
+def duplicate(source: str, count: int = 1) -> None:
+    """Count a redelivery of a stored event (``count`` of them, for a batch)."""
     m = _metrics()
-    if m is not None:
-        m.duplicates.labels(source).inc()
+    if m is not None and count:
+        m.duplicates.labels(source).inc(count)
 
 
-def conflict(source: str) -> None:
-    """Count a key reused with different content, under the name of its kind."""
+def conflict(source: str, count: int = 1) -> None:
+    """Count a key reused with different content (``count`` of them), under its kind's name."""
     m = _metrics()
-    if m is None:
+    if m is None or not count:
         return
     # The Idempotency-Key engine reports its mismatches here with the API's
     # source, ``api:<client>``; no webhook source can be named so.
     if source.startswith("api:"):
-        m.key_reuses.labels(source).inc()
+        m.key_reuses.labels(source).inc(count)
     else:
-        m.conflicts.labels(source).inc()
+        m.conflicts.labels(source).inc(count)
 
 
 def signature_failure(source: str, reason: str) -> None:
@@ -147,6 +152,13 @@ def signature_failure(source: str, reason: str) -> None:
     m = _metrics()
     if m is not None:
         m.signature_failures.labels(source, reason).inc()
+
+
+def broker_dead_letter(source: str, reason: str) -> None:
+    """Count a broker message the consumer dead-lettered, by reason."""
+    m = _metrics()
+    if m is not None:
+        m.broker_dead_letters.labels(source, reason).inc()
 
 
 def replay(source: str) -> None:

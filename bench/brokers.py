@@ -1,0 +1,335 @@
+"""Broker scenarios: how fast ``flask consume`` stores and acknowledges, beside a bare loop.
+
+Each scenario preloads messages on the real broker, then runs the consumer
+in this process until every message is settled, and reports messages per
+second. The *bare* loop is the same consumer (same connection, prefetch or
+fetch, acks) with a unit of work that stores nothing: what the broker and
+the client library cost on this machine. ``vs bare`` is the ratio.
+
+    .venv/bin/python -m bench.brokers                    # both brokers, both databases
+    .venv/bin/python -m bench.brokers --broker rabbitmq --db postgresql --count 20000
+    .venv/bin/python -m bench.brokers --curve            # batch sizes 1, 10, 100, 500
+
+A measurement, not a test: nothing fails on a slow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pika
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from .run import RESULTS, postgresql_database
+
+RABBIT_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+NATS_URL = os.environ.get("BENCH_NATS_URL", "nats://127.0.0.1:4222")
+SOURCE = "bench"
+
+
+@dataclass
+class Row:
+    broker: str
+    db: str
+    scenario: str
+    batch: int
+    count: int
+    seconds: float
+    bare_rate: float | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds
+
+
+def _body(n: int) -> bytes:
+    return json.dumps(
+        {"id": f"evt-{n}", "type": "order.paid", "data": {"order": n, "x": "y" * 64}}
+    ).encode()
+
+
+# -- RabbitMQ -------------------------------------------------------------------
+
+
+class RabbitQueue:
+    def __init__(self) -> None:
+        self.name = f"wr-bench-{uuid.uuid4().hex[:8]}"
+        with self.channel() as ch:
+            ch.queue_declare(self.name)
+
+    @contextmanager
+    def channel(self) -> Iterator[Any]:
+        connection = pika.BlockingConnection(pika.URLParameters(RABBIT_URL))
+        try:
+            yield connection.channel()
+        finally:
+            connection.close()
+
+    def fill(self, count: int) -> None:
+        with self.channel() as ch:
+            ch.confirm_delivery()
+            for n in range(count):
+                props = pika.BasicProperties(
+                    message_id=f"evt-{n}", type="order.paid", content_type="application/json"
+                )
+                ch.basic_publish("", self.name, _body(n), props)
+
+    def delete(self) -> None:
+        with self.channel() as ch:
+            ch.queue_delete(self.name)
+
+
+# -- NATS -------------------------------------------------------------------------
+
+
+class NatsStream:
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.name = f"WRBENCH_{tag}"
+        self.subject = f"wrbench-{tag}.orders"
+        self.count = 0
+
+        async def go(nc: Any) -> None:
+            await nc.jetstream().add_stream(StreamConfig(name=self.name, subjects=[self.subject]))
+
+        _nats(go)
+
+    def fill(self, count: int) -> None:
+        async def go(nc: Any) -> None:
+            js = nc.jetstream()
+            for start in range(0, count, 500):
+                await asyncio.gather(
+                    *(
+                        js.publish(
+                            self.subject,
+                            _body(n),
+                            headers={"Nats-Msg-Id": f"evt-{n}", "Content-Type": "application/json"},
+                        )
+                        for n in range(start, min(start + 500, count))
+                    )
+                )
+
+        _nats(go)
+        self.count = count
+
+    def consumer(self, durable: str, batch: int) -> None:
+        async def go(nc: Any) -> None:
+            config = ConsumerConfig(
+                durable_name=durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                max_ack_pending=max(1000, 4 * batch),
+            )
+            await nc.jetstream().add_consumer(self.name, config)
+
+        _nats(go)
+
+    def delete(self) -> None:
+        async def go(nc: Any) -> None:
+            await nc.jetstream().delete_stream(self.name)
+
+        _nats(go)
+
+
+def _nats(fn: Callable[[Any], Any]) -> Any:
+    async def main() -> Any:
+        nc = await nats.connect(NATS_URL)
+        try:
+            return await fn(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
+
+
+# -- one run ------------------------------------------------------------------------
+
+
+def _bare(source: Any, deliveries: list[Any]) -> list[Any]:
+    from webhook_receiver.brokers.batch import ACK, Verdict
+
+    return [Verdict(ACK)] * len(deliveries)
+
+
+def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
+    """Run the source's consumer until ``count`` messages are settled; the seconds it took."""
+    from webhook_receiver.brokers import runner
+
+    stop = threading.Event()
+    consumer = runner.consumer_for(app, app.config["FILE_CONFIG"].brokers[SOURCE], stop)
+    if bare:
+        consumer.store = _bare  # type: ignore[attr-defined]
+    thread = threading.Thread(target=consumer.run)
+    started = time.perf_counter()
+    thread.start()
+    deadline = started + timeout
+    while consumer.settled < count and time.perf_counter() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    elapsed = time.perf_counter() - started
+    stop.set()
+    thread.join(30)
+    if consumer.settled < count:  # type: ignore[attr-defined]
+        raise RuntimeError(f"only {consumer.settled} of {count} settled in {timeout} s")  # type: ignore[attr-defined]
+    return elapsed
+
+
+APPS: list[Any] = []
+
+
+def close_apps() -> None:
+    """Write the apps' pending redeliveries and close their pools (before a database is dropped)."""
+    from webhook_receiver.extensions import db
+    from webhook_receiver.inbox import duplicates
+
+    for app in APPS:
+        app.extensions[duplicates.EXTENSION].close()
+        with app.app_context():
+            db.engine.dispose()
+    APPS.clear()
+
+
+def make_app(db_url: str, table: dict[str, Any]) -> Any:
+    from flask_migrate import upgrade
+
+    from webhook_receiver import create_app
+
+    app = create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": db_url,
+            "SECRET_KEY": secrets.token_hex(32),
+            "RECEIVER_CONFIG": {"sources": {SOURCE: table}},
+        }
+    )
+    with app.app_context():
+        upgrade()
+    APPS.append(app)
+    return app
+
+
+def run_broker(broker: str, db: str, db_url: str, count: int, batches: list[int]) -> list[Row]:
+    rows: list[Row] = []
+    for size in batches:
+        n = count if size >= 10 else max(500, count // 20)
+        if broker == "rabbitmq":
+            queue = RabbitQueue()
+            try:
+                table = {
+                    "provider": "rabbitmq",
+                    "url": RABBIT_URL,
+                    "queue": queue.name,
+                    "prefetch": size,
+                }
+                app = make_app(db_url, table)
+                queue.fill(n)
+                bare = consume(app, n, bare=True)
+                queue.fill(n)
+                unique = consume(app, n, bare=False)
+                queue.fill(n)  # the same messages again: every one a redelivery
+                again = consume(app, n, bare=False)
+            finally:
+                queue.delete()
+        else:
+            stream = NatsStream()
+            try:
+                stream.fill(n)
+                times = []
+                for durable, is_bare in (("bare", True), ("unique", False), ("again", False)):
+                    stream.consumer(durable, size)
+                    table = {
+                        "provider": "nats",
+                        "url": NATS_URL,
+                        "stream": stream.name,
+                        "durable": durable,
+                        "batch": size,
+                    }
+                    app = make_app(db_url, table)
+                    times.append(consume(app, n, bare=is_bare))
+                bare, unique, again = times
+            finally:
+                stream.delete()
+        bare_rate = n / bare
+        rows.append(Row(broker, db, "bare", size, n, bare))
+        rows.append(Row(broker, db, "unique", size, n, unique, bare_rate))
+        rows.append(Row(broker, db, "redeliveries", size, n, again, bare_rate))
+        print(_line(rows[-3]), _line(rows[-2]), _line(rows[-1]), sep="\n", flush=True)
+    return rows
+
+
+def _line(row: Row) -> str:
+    ratio = f"{row.rate / row.bare_rate:.2f}" if row.bare_rate else ""
+    return (
+        f"| {row.broker} | {row.db} | {row.scenario} | {row.batch} | {row.count} | "
+        f"{row.rate:,.0f} | {ratio} |"
+    )
+
+
+HEADER = [
+    "| broker | database | scenario | batch | messages | messages/s | vs bare |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+@contextmanager
+def database(db: str, workdir: Path) -> Iterator[str]:
+    if db == "sqlite":
+        yield f"sqlite:///{workdir / f'brokers-{uuid.uuid4().hex[:6]}.sqlite3'}"
+        return
+    server = os.environ.get("BENCH_DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
+    if not server:
+        raise SystemExit("PostgreSQL needs BENCH_DATABASE_URL or TEST_DATABASE_URL")
+    with postgresql_database(server) as url:
+        from webhook_receiver.config import database_uri
+
+        yield database_uri(url, "/nonexistent")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.brokers", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--broker", choices=["rabbitmq", "nats", "both"], default="both")
+    parser.add_argument("--db", choices=["sqlite", "postgresql", "both"], default="both")
+    parser.add_argument("--count", type=int, default=20000, help="messages per run")
+    parser.add_argument("--batch", type=int, default=200, help="prefetch / fetch batch size")
+    parser.add_argument("--curve", action="store_true", help="batch sizes 1, 10, 100 and 500")
+    args = parser.parse_args(argv)
+    # The inbox logs a line per message at INFO; measured at WARNING (see bench/README.md).
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("pika").setLevel(logging.ERROR)
+    brokers = ["rabbitmq", "nats"] if args.broker == "both" else [args.broker]
+    dbs = ["sqlite", "postgresql"] if args.db == "both" else [args.db]
+    batches = [1, 10, 100, 500] if args.curve else [args.batch]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    print(*HEADER, sep="\n", flush=True)
+    with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
+        for db in dbs:
+            for broker in brokers:
+                with ExitStack() as stack:
+                    url = stack.enter_context(database(db, Path(tmp)))
+                    stack.callback(close_apps)
+                    rows += run_broker(broker, db, url, args.count, batches)
+    out = RESULTS / f"brokers-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    out.write_text("\n".join([*HEADER, *map(_line, rows)]) + "\n")
+    print(f"written to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

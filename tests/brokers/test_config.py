@@ -1,0 +1,142 @@
+"""Broker sources and broker/signed forwards in the config file: defaults, refusals, redaction."""
+
+from __future__ import annotations
+
+import pytest
+
+from webhook_receiver import config as cfg
+
+URL = "amqp://guest:s3cret-pass@127.0.0.1:5672/%2F"
+
+
+def _parse(**sources):
+    return cfg.parse({"sources": sources}, "receiver.toml")
+
+
+def test_rabbitmq_source_defaults():
+    file = _parse(orders={"provider": "rabbitmq", "url": URL, "queue": "orders"})
+    source = file.brokers["orders"]
+    assert (source.dedup_key, source.event_type, source.batch) == (
+        "property:message_id",
+        "property:type",
+        200,
+    )
+    assert "orders" not in file.sources  # no /webhooks/orders endpoint
+    assert file.retention_days() == {"orders": 30}
+
+
+def test_nats_source_defaults():
+    table = {"provider": "nats", "url": "nats://127.0.0.1:4222", "stream": "PAYMENTS"}
+    source = _parse(payments=table).brokers["payments"]
+    assert (source.dedup_key, source.event_type, source.durable) == (
+        "header:Nats-Msg-Id",
+        "subject",
+        "webhook-receiver",
+    )
+
+
+def test_url_secrets_are_redacted_in_reprs():
+    file = _parse(
+        orders={
+            "provider": "rabbitmq",
+            "url": URL,
+            "queue": "orders",
+            "forward": [{"name": "bus", "url": URL, "routing_key": "x"}],
+        }
+    )
+    assert "s3cret-pass" not in repr(file.brokers["orders"])
+    assert "s3cret-pass" not in repr(file.forwards["orders"])
+    assert file.brokers["orders"].safe_url == "amqp://guest:[redacted]@127.0.0.1:5672/%2F"
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"provider": "rabbitmq", "url": URL, "queue": "q", "stream": "S"}, r"unknown key\(s\)"),
+        ({"provider": "rabbitmq", "url": URL}, "queue must name"),
+        ({"provider": "rabbitmq", "url": "nats://x", "queue": "q"}, "url must be a amqp://"),
+        ({"provider": "nats", "url": "nats://x"}, "stream must name"),
+        ({"provider": "rabbitmq", "url": URL, "queue": "q", "prefetch": 0}, "prefetch must be"),
+        (
+            {"provider": "rabbitmq", "url": URL, "queue": "q", "dedup_key": "property:timestamp"},
+            "changes with each delivery",
+        ),
+        (
+            {
+                "provider": "nats",
+                "url": "nats://x",
+                "stream": "S",
+                "dedup_key": "header:Nats-Num-Delivered",
+            },  # noqa: E501
+            "changes with each delivery",
+        ),
+        (
+            {
+                "provider": "nats",
+                "url": "nats://x",
+                "stream": "S",
+                "dedup_key": "property:message_id",
+            },  # noqa: E501
+            "for RabbitMQ sources",
+        ),
+        (
+            {"provider": "rabbitmq", "url": URL, "queue": "q", "event_type": "subject"},
+            "NATS source only",
+        ),
+        (
+            {"provider": "nats", "url": "nats://x", "stream": "S", "dead_letter_subject": "a.*"},
+            "without wildcards",
+        ),
+    ],
+)
+def test_bad_broker_source_is_refused_naming_file_and_table(table, expected):
+    with pytest.raises(cfg.ConfigError, match=expected) as info:
+        _parse(orders=table)
+    assert str(info.value).startswith("receiver.toml: [sources.orders]")
+    assert "s3cret-pass" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("forward", "expected"),
+    [
+        ({"url": URL}, "routing_key must be"),
+        ({"url": URL, "routing_key": "k", "subject": "s"}, r"unknown key\(s\): subject"),
+        ({"url": "nats://127.0.0.1:4222"}, "subject must be"),
+        ({"url": "nats://127.0.0.1:4222", "subject": "a.>"}, "subject must be"),
+        ({"url": URL, "routing_key": "k", "signing_secret": "whsec_AAAA"}, "unknown key"),
+        ({"url": "http://127.0.0.1:9/x", "signing_secret": "plain"}, "whsec_<base64>"),
+        (
+            {"url": "http://127.0.0.1:9/x", "signing_secret": "whsec_QUFB", "signing_secrets": []},
+            "not both",
+        ),
+        ({"url": "ftp://127.0.0.1/x"}, "url must be an http://"),
+    ],
+)
+def test_bad_forward_is_refused(forward, expected):
+    table = {
+        "provider": "rabbitmq",
+        "url": URL,
+        "queue": "q",
+        "forward": [{"name": "f", **forward}],
+    }
+    with pytest.raises(cfg.ConfigError, match=expected) as info:
+        _parse(orders=table)
+    assert "[[sources.orders.forward]] f" in str(info.value)
+
+
+def test_consume_without_broker_sources_or_with_an_unknown_one_says_so(make_app):
+    app = make_app({"sources": {"o": {"provider": "rabbitmq", "url": URL, "queue": "q"}}})
+    result = app.test_cli_runner().invoke(args=["consume", "nope"])
+    assert result.exit_code == 1
+    assert "no broker source named 'nope'" in result.output
+    bare = make_app({})
+    result = bare.test_cli_runner().invoke(args=["consume"])
+    assert result.exit_code == 1
+    assert "no broker source" in result.output
+
+
+def test_consume_list_prints_the_broker_sources(make_app):
+    app = make_app({"sources": {"o": {"provider": "rabbitmq", "url": URL, "queue": "q"}}})
+    result = app.test_cli_runner().invoke(args=["consume", "--list"])
+    assert (result.exit_code, result.output) == (0, "o\n")
+    assert make_app({}).test_cli_runner().invoke(args=["consume", "--list"]).output == ""

@@ -1,0 +1,132 @@
+"""The NATS JetStream consumer against the real server: stored once, acked after the commit."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from .conftest import (
+    consuming,
+    count_conflicts,
+    count_events,
+    duplicate_total,
+    nats_source,
+    stored_keys,
+    wait_until,
+)
+
+SOURCE = "payments"
+
+
+def _app(make_app, stream, **extra):
+    return make_app({"sources": {SOURCE: nats_source(stream, **extra)}})
+
+
+def _message(n: int, total: int | None = None):
+    body = json.dumps({"payment": n, "total": total if total is not None else n}).encode()
+    return "paid", body, {"Nats-Msg-Id": f"pay-{n}", "Content-Type": "application/json"}
+
+
+def test_thousand_messages_with_redeliveries_stored_once_and_acked(make_app, jetstream):
+    app = _app(make_app, jetstream, batch=100)
+    messages = [_message(n) for n in range(1000)]
+    # JetStream's own duplicate window would drop these republishes at once;
+    # keyed by the body instead, they reach the consumer as redeliveries do.
+    app = _app(make_app, jetstream, batch=100, dedup_key="json:/payment")
+    again = random.Random(21).sample(messages, 300)
+    stream = messages + [
+        (s, b, {**h, "Nats-Msg-Id": h["Nats-Msg-Id"] + "-again"}) for s, b, h in again
+    ]
+    random.Random(22).shuffle(stream)
+    jetstream.publish(stream)
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1000 and jetstream.pending() == (0, 0), 60)
+        assert wait_until(lambda: duplicate_total(app) == 300, 30)
+    assert sorted(stored_keys(app)) == sorted(str(n) for n in range(1000))
+
+
+def test_event_type_is_the_subject_and_content_is_kept(make_app, jetstream):
+    app = _app(make_app, jetstream)
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    from webhook_receiver.extensions import db
+    from webhook_receiver.models import Event
+
+    with app.app_context():
+        event = db.session.query(Event).one()
+        assert event.event_type == f"{jetstream.prefix}.paid"
+        assert event.dedup_key == "pay-1"
+        assert event.content_type == "application/json"
+        assert event.body == _message(1)[1]
+        assert ["Nats-Msg-Id", "pay-1"] in event.headers
+        assert event.meta["subject"] == f"{jetstream.prefix}.paid"
+
+
+def test_conflicting_message_kept_and_dead_lettered_with_its_reason(make_app, jetstream):
+    app = _app(make_app, jetstream, dedup_key="json:/payment")
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        subject, body, headers = _message(1, total=999)
+        jetstream.publish([(subject, body, {**headers, "Nats-Msg-Id": "other", "X-Shop": "a"})])
+        assert wait_until(lambda: len(jetstream.dead_letters()) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+    assert count_events(app) == 1
+    assert count_conflicts(app) == 1
+    [(data, dead_headers)] = jetstream.dead_letters()
+    assert data == body
+    assert dead_headers["Dead-Letter-Reason"] == "conflict"
+    assert dead_headers["X-Shop"] == "a"
+    assert dead_headers["Content-Type"] == "application/json"
+    assert dead_headers["Dead-Letter-Msg-Id"] == "other"
+
+
+def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
+    app = _app(make_app, jetstream)
+    jetstream.publish([("paid", b"no id here", {}), _message(2)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: len(jetstream.dead_letters()) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+    assert stored_keys(app) == ["pay-2"]
+    [(data, headers)] = jetstream.dead_letters()
+    assert data == b"no id here"
+    assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
+
+
+def test_without_dead_letter_subject_a_conflict_is_terminated(make_app, jetstream):
+    table = nats_source(jetstream, dedup_key="json:/payment")
+    del table["dead_letter_subject"]
+    app = make_app({"sources": {SOURCE: table}})
+    _, body1, h1 = _message(1)
+    _, body2, h2 = _message(1, total=5)
+    jetstream.publish([("paid", body1, h1), ("paid", body2, {**h2, "Nats-Msg-Id": "x"})])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_conflicts(app) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+    assert count_events(app) == 1
+    assert jetstream.dead_letters() == []
+
+
+def test_dead_letter_subject_inside_the_consumed_stream_is_not_consumed_again(make_app, jetstream):
+    dead = f"{jetstream.prefix}.dead"
+    app = _app(make_app, jetstream, dedup_key="json:/payment", dead_letter_subject=dead)
+    _, body, headers = _message(1)
+    _, other, _ = _message(1, total=2)
+    jetstream.publish([("paid", body, headers), ("paid", other, {"Nats-Msg-Id": "second"})])
+    with consuming(app, SOURCE):
+        # The conflict's copy lands in the consumed stream and comes back:
+        # settled without being stored, so it is not a conflict again.
+        assert wait_until(lambda: count_conflicts(app) == 1, 30)
+        assert wait_until(
+            lambda: jetstream.pending() == (0, 0) and _stream_count(jetstream) == 3, 30
+        )
+    assert count_conflicts(app) == 1
+    assert count_events(app) == 1
+
+
+def _stream_count(stream) -> int:
+    async def go(nc):
+        return (await nc.jetstream().stream_info(stream.name)).state.messages
+
+    return stream.run(go)

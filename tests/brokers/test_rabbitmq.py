@@ -1,0 +1,147 @@
+"""The RabbitMQ consumer against the real broker: stored once, acked after the commit."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from .conftest import (
+    consuming,
+    count_conflicts,
+    count_events,
+    duplicate_total,
+    rabbit_source,
+    stored_keys,
+    wait_until,
+)
+
+SOURCE = "orders"
+
+
+def _app(make_app, queue, **extra):
+    return make_app({"sources": {SOURCE: rabbit_source(queue, **extra)}})
+
+
+def _message(n: int, **props):
+    body = json.dumps({"order": n, "total": n * 10}).encode()
+    return body, {
+        "message_id": f"msg-{n}",
+        "type": "order.created",
+        "content_type": "application/json",
+        **props,
+    }
+
+
+def test_thousand_messages_with_redeliveries_stored_once_and_acked(make_app, amqp_queue):
+    app = _app(make_app, amqp_queue, prefetch=100)
+    messages = [_message(n) for n in range(1000)]
+    again = random.Random(11).sample(messages, 300)
+    stream = messages + again
+    random.Random(12).shuffle(stream)
+    amqp_queue.publish(stream)
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1000 and amqp_queue.ready() == 0, 60)
+        assert wait_until(lambda: duplicate_total(app) == 300, 30)
+    assert sorted(stored_keys(app)) == sorted(f"msg-{n}" for n in range(1000))
+    assert amqp_queue.ready() == 0
+    assert amqp_queue.ready(amqp_queue.dead) == 0
+
+
+def test_conflicting_message_kept_and_dead_lettered_unchanged(make_app, amqp_queue):
+    app = _app(make_app, amqp_queue)
+    original = _message(1)
+    conflicting = (b'{"order": 1, "total": 999}', {**original[1], "headers": {"x-shop": "a"}})
+    amqp_queue.publish([original])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        amqp_queue.publish([conflicting])
+        assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
+    assert count_events(app) == 1
+    assert count_conflicts(app) == 1
+    [(props, body)] = amqp_queue.take_all(amqp_queue.dead)
+    assert body == conflicting[0]
+    assert props.message_id == "msg-1"
+    assert props.type == "order.created"
+    assert props.content_type == "application/json"
+    assert props.headers["x-shop"] == "a"
+    assert amqp_queue.ready() == 0
+
+
+def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
+    app = _app(make_app, amqp_queue)
+    keyless = (b'{"order": 7}', {"type": "order.created", "content_type": "application/json"})
+    amqp_queue.publish([keyless, _message(8)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    assert stored_keys(app) == ["msg-8"]
+    [(props, body)] = amqp_queue.take_all(amqp_queue.dead)
+    assert body == b'{"order": 7}'
+    assert props.headers["x-death"][0]["reason"] == "rejected"
+    assert amqp_queue.ready() == 0
+
+
+@pytest.mark.parametrize("spec", ["header:x-event-id", "json:/id"])
+def test_key_from_a_header_or_the_body(make_app, amqp_queue, spec):
+    app = _app(make_app, amqp_queue, dedup_key=spec, event_type="json:/kind")
+    body = b'{"id": "e-1", "kind": "paid"}'
+    props = {"headers": {"x-event-id": "e-1"}, "content_type": "application/json"}
+    amqp_queue.publish([(body, props), (b'{"kind": "paid", "id": "e-1"}', props)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: duplicate_total(app) == 1, 30)
+    assert stored_keys(app) == ["e-1"]
+    assert amqp_queue.ready() == 0
+
+
+def test_missing_queue_stops_consume_with_a_clear_message(make_app, rabbit_url):
+    app = make_app(
+        {"sources": {SOURCE: {"provider": "rabbitmq", "url": rabbit_url, "queue": "wr-absent-q"}}}
+    )
+    result = app.test_cli_runner().invoke(args=["consume"])
+    assert result.exit_code == 1
+    assert "queue 'wr-absent-q' does not exist" in result.output
+    assert "guest:guest" not in result.output
+
+
+def test_broker_source_has_no_webhook_endpoint(make_app, amqp_queue):
+    app = _app(make_app, amqp_queue)
+    response = app.test_client().post(f"/webhooks/{SOURCE}", data=b"{}")
+    assert response.status_code == 404
+    assert response.content_type == "application/problem+json"
+    assert count_events(app) == 0
+
+
+def test_broker_source_handler_writes_commit_with_its_delivery(make_app, amqp_queue):
+    from sqlalchemy import select
+
+    from webhook_receiver.extensions import db
+    from webhook_receiver.processing.worker import Worker
+
+    from ..processing import handlers
+
+    handlers.reset()
+    app = make_app(
+        {"sources": {"shop": rabbit_source(amqp_queue)}, "handlers": ["tests.processing.handlers"]},
+        WORKER_POLL_SECONDS=0.01,
+        WORKER_BACKOFF_BASE_SECONDS=0,
+    )
+    with app.app_context():
+        handlers.ledger.create(db.engine, checkfirst=True)
+    try:
+        body, props = _message(1, type="order.paid")
+        amqp_queue.publish([(body, props), (body, props)])
+        with consuming(app, "shop"):
+            assert wait_until(lambda: duplicate_total(app) == 1, 30)
+        # The first audit attempt writes, then fails: its write goes with its rollback.
+        handlers.failures["audit"] = 1
+        assert Worker(app).run(drain=True, handle_signals=False) == 3
+        with app.app_context():
+            rows = db.session.execute(select(handlers.ledger.c.consumer)).scalars().all()
+            db.session.rollback()
+        assert sorted(rows) == ["audit", "ledger"]
+    finally:
+        with app.app_context():
+            handlers.ledger.drop(db.engine, checkfirst=True)
+        handlers.reset()

@@ -1,0 +1,42 @@
+"""``flask --app wsgi consume [SOURCE ...]``: consume broker sources until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import click
+from flask import current_app
+from flask.cli import with_appcontext
+
+from ..config import ConfigError
+from . import runner
+
+
+@click.command("consume")
+@click.argument("sources", nargs=-1)
+@click.option("--list", "list_only", is_flag=True, help="Print the broker sources' names and exit.")
+@with_appcontext
+def consume_command(sources: tuple[str, ...], list_only: bool) -> None:
+    """Consume the named broker sources (all of them by default) into the inbox."""
+    if list_only:
+        for name in current_app.config["FILE_CONFIG"].brokers:
+            click.echo(name)
+        return
+    if not logging.getLogger().handlers:
+        # As the worker command does: plain lines when nothing configured logging.
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    logging.getLogger("webhook_receiver.brokers").setLevel(logging.INFO)
+    # pika narrates every connection step at INFO; its warnings still show.
+    logging.getLogger("pika").setLevel(logging.WARNING)
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    try:
+        chosen = runner.sources_to_consume(app.config["FILE_CONFIG"], sources)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    error = runner.run(app, chosen, threading.Event())
+    if error is not None:
+        raise click.ClickException(error)
+    click.echo(f"consume stopped ({', '.join(s.name for s in chosen)})")

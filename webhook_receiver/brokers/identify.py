@@ -1,0 +1,182 @@
+"""Turning one broker message into an inbox Message: its stable key, type and fingerprint.
+
+The key and type come from what the producer set on the message (an AMQP
+property or header, a NATS header or subject, a JSON pointer into the
+body), never from what the broker sets per delivery (delivery tag,
+redelivered flag, delivery count, stream sequence, timestamps), so a
+redelivery is recognised as the same message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from sqlalchemy import String
+
+from .. import events
+from ..config import BrokerSourceConfig, parse_broker_spec
+from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
+from ..inbox import Message
+from ..models import Event
+from ..processing.ordering import resolve_pointer
+
+# Reasons a message is dead-lettered without being stored.
+MISSING_KEY = "dedup-key-missing"
+PAYLOAD_INVALID = "payload-invalid"
+
+
+class Unidentified(Exception):
+    """The message cannot be stored: no usable key, or a body its specs cannot read."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message as its broker handed it over, before identification."""
+
+    body: bytes
+    content_type: str | None = None
+    # The AMQP headers table or the NATS headers, values as text.
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # The AMQP basic properties the producer set (none for NATS).
+    properties: Mapping[str, str] = field(default_factory=dict)
+    subject: str | None = None
+    # Where it came from: exchange and routing key, or subject and stream.
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _length(name: str) -> int:
+    length = cast(String, Event.__table__.c[name].type).length
+    if length is None:
+        raise TypeError(f"events.{name} has no declared length")
+    return length
+
+
+_KEY_LENGTH = _length("dedup_key")
+_TYPE_LENGTH = _length("event_type")
+_CONTENT_TYPE_LENGTH = _length("content_type")
+
+
+def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
+    """Build the inbox Message of ``delivery``, or raise Unidentified."""
+    key_spec = _spec(source.dedup_key, source.provider, "dedup_key")
+    type_spec = _spec(source.event_type, source.provider, "event_type")
+    needs_json = "json" in (key_spec[0], type_spec[0])
+    parsed: Any = None
+    if needs_json or is_json_type(delivery.content_type):
+        try:
+            parsed = loads(delivery.body)
+        except JSONError as exc:
+            if needs_json:
+                raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
+            # Labelled JSON that is not: stored as the bytes it is.
+    key = _read(key_spec, delivery, parsed)
+    if not key:
+        raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
+    event_type = _read(type_spec, delivery, parsed) or None
+    _check_storable(key, event_type, delivery.content_type)
+    content = canonical_json(parsed) if parsed is not None else delivery.body
+    return Message(
+        source=source.name,
+        dedup_key=key,
+        # Only what the producer sent decides it; delivery counters must not.
+        fingerprint=fingerprint([event_type or "", content]),
+        body=delivery.body,
+        event_type=event_type,
+        content_type=delivery.content_type or None,
+        headers=tuple(
+            (name, _clean(value)) for name, value in events.redact_headers(delivery.headers.items())
+        ),
+        meta=_clean_meta(delivery),
+        correlation_id=_correlation_id(delivery),
+    )
+
+
+@functools.cache
+def _spec(spec: str, provider: str, key: str) -> tuple[str, str]:
+    # Validated with the config; parsed once per source rather than per message.
+    return parse_broker_spec(spec, provider, key)
+
+
+def _read(spec: tuple[str, str], delivery: Delivery, parsed: Any) -> str | None:
+    kind, arg = spec
+    value: Any
+    if kind == "subject":
+        value = delivery.subject
+    elif kind == "property":
+        value = delivery.properties.get(arg)
+    elif kind == "header":
+        value = _header(delivery.headers, arg)
+    else:
+        value = resolve_pointer(parsed, arg) if arg else parsed
+    if value is None or isinstance(value, dict | list):
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    if name in headers:
+        return headers[name]
+    lowered = name.lower()
+    return next((v for k, v in headers.items() if k.lower() == lowered), None)
+
+
+def _check_storable(key: str, event_type: str | None, content_type: str | None) -> None:
+    # PostgreSQL refuses a NUL in text and a value longer than its column,
+    # and that error would fail the whole batch on every redelivery: such a
+    # message is dead-lettered instead, the same way on both databases.
+    if "\x00" in key or "\x00" in (event_type or ""):
+        raise Unidentified(PAYLOAD_INVALID, "the dedup key or type holds a NUL character")
+    if len(key) > _KEY_LENGTH:
+        raise Unidentified(PAYLOAD_INVALID, f"the dedup key is longer than {_KEY_LENGTH}")
+    if len(event_type or "") > _TYPE_LENGTH:
+        raise Unidentified(PAYLOAD_INVALID, f"the event type is longer than {_TYPE_LENGTH}")
+    if len(content_type or "") > _CONTENT_TYPE_LENGTH or "\x00" in (content_type or ""):
+        raise Unidentified(PAYLOAD_INVALID, "the content type is too long or holds a NUL")
+
+
+def _correlation_id(delivery: Delivery) -> str | None:
+    value = (
+        delivery.properties.get("correlation_id")
+        or _header(delivery.headers, "X-Request-Id")
+        or _header(delivery.headers, "Correlation-Id")
+    )
+    if not value or "\x00" in value:
+        return None
+    return value[:200]
+
+
+def _clean(value: str) -> str:
+    # Stored as JSON: PostgreSQL's jsonb holds no NUL character.
+    return value.replace("\x00", "\ufffd")
+
+
+def _clean_meta(delivery: Delivery) -> dict[str, Any]:
+    meta = dict(delivery.meta)
+    if delivery.properties:
+        meta["properties"] = dict(delivery.properties)
+    text = json.dumps(meta, default=str)
+    if "\\u0000" not in text:
+        return meta
+    return cast(dict[str, Any], json.loads(text.replace("\\u0000", "\\ufffd")))
+
+
+def text_of(value: Any) -> str:
+    """A header or property value as text (AMQP tables carry bytes, numbers, nested tables)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=text_of, sort_keys=True)
+    return str(value)

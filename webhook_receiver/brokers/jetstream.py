@@ -1,0 +1,213 @@
+"""The NATS JetStream consumer: a durable pull consumer with explicit acks after the commit.
+
+Each ``fetch`` takes up to ``batch`` messages (or what arrives within a
+short wait); the inbox stores them in one transaction, run in a thread so
+that the connection keeps answering pings; only then is each message
+settled: ``ack`` for a new message or a same-content duplicate; for a
+conflict or a message that cannot be identified, a copy to
+``dead_letter_subject`` (when set) and ``term``. The database away: every
+message of the batch is ``nak``-ed with a delay and the consumer backs off.
+nats-py reconnects by itself; what was not acknowledged is redelivered
+after the consumer's ack wait and recognised as duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from flask import Flask
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from ..config import BrokerSourceConfig
+from . import batch
+from .identify import Delivery
+from .outage import FatalConsumerError, Outage
+
+log = logging.getLogger(__name__)
+
+# How long one fetch waits for its batch to fill.
+FETCH_WAIT_SECONDS = 0.25
+DEAD_LETTER_REASON = "Dead-Letter-Reason"
+# The dead letter's own Nats-Msg-Id is derived from the stream sequence, so a
+# republish after a crash is dropped by JetStream's duplicate window; the
+# producer's id travels in this header instead.
+DEAD_LETTER_MSG_ID = "Dead-Letter-Msg-Id"
+MSG_ID = "Nats-Msg-Id"
+_ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
+
+
+class JetStreamConsumer:
+    """Consume one JetStream stream (through a durable pull consumer) until ``stop`` is set."""
+
+    def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
+        self.app = app
+        self.source = source
+        self.stop = stop
+        self.outage = Outage(source.name)
+        # The unit of work; the benchmark's bare loop puts one that stores nothing.
+        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[batch.Verdict]] = (
+            batch.store
+        )
+        # Messages settled so far (acked, dead-lettered or our own dead letters).
+        self.settled = 0
+
+    def run(self) -> None:
+        """Consume until stopped; reconnect and back off through outages."""
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        while not self.stop.is_set():
+            try:
+                await self._session()
+            except FatalConsumerError:
+                raise
+            except _ERRORS as exc:
+                await self._pause(self.outage.failed("broker", f"{type(exc).__name__}: {exc}"))
+
+    async def _pause(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not self.stop.is_set() and loop.time() < deadline:
+            await asyncio.sleep(min(0.1, deadline - loop.time()))
+
+    async def _session(self) -> None:
+        async def on_error(exc: Exception) -> None:
+            log.debug("source %s: nats: %s", self.source.name, exc)
+
+        nc = await nats.connect(
+            self.source.url,
+            name=f"webhook-receiver consume {self.source.name} pid {os.getpid()}",
+            connect_timeout=2,
+            reconnect_time_wait=0.5,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+            error_cb=on_error,
+        )
+        try:
+            js = nc.jetstream()
+            subscription = await self._subscribe(js)
+            log.info(
+                "source %s: consuming stream %r as %r on %s",
+                self.source.name,
+                self.source.stream,
+                self.source.durable,
+                self.source.safe_url,
+            )
+            self.outage.recovered()
+            while not self.stop.is_set():
+                try:
+                    messages = await subscription.fetch(
+                        self.source.batch, timeout=FETCH_WAIT_SECONDS
+                    )
+                except nats.errors.TimeoutError:
+                    continue
+                if messages:
+                    await self._flush(nc, js, messages)
+        finally:
+            try:
+                await nc.close()
+            except _ERRORS:
+                pass
+
+    async def _subscribe(self, js: Any) -> Any:
+        stream, durable = self.source.stream or "", self.source.durable or ""
+        try:
+            await js.stream_info(stream)
+        except nats.js.errors.NotFoundError as exc:
+            raise FatalConsumerError(
+                f"source {self.source.name}: stream {stream!r} does not exist on "
+                f"{self.source.safe_url}; create it first"
+            ) from exc
+        try:
+            await js.consumer_info(stream, durable)
+        except nats.js.errors.NotFoundError:
+            await js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=durable,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    filter_subject=self.source.filter_subject,
+                    # Room for several batches in flight across competing consumers.
+                    max_ack_pending=max(1000, 4 * self.source.batch),
+                ),
+            )
+        return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+    async def _flush(self, nc: Any, js: Any, messages: list[Any]) -> None:
+        own, taken = [], []
+        for message in messages:
+            # Our own dead letters, when the filter covers their subject:
+            # settled, never stored (they would come back as conflicts).
+            if message.subject == self.source.dead_letter_subject and DEAD_LETTER_REASON in (
+                message.headers or {}
+            ):
+                own.append(message)
+            else:
+                taken.append(message)
+        for message in own:
+            await message.ack()
+        deliveries = [self._delivery(m) for m in taken]
+        try:
+            verdicts = await asyncio.to_thread(self._store, deliveries)
+        except batch.DatabaseUnavailable as exc:
+            delay = self.outage.failed("database", exc)
+            for message in taken:
+                await message.nak(delay=delay)
+            await nc.flush()
+            await self._pause(delay)
+            return
+        self.outage.recovered()
+        for message, verdict in zip(taken, verdicts, strict=True):
+            if verdict.action == batch.ACK:
+                await message.ack()
+            elif await self._dead_letter(js, message, verdict):
+                await message.term()
+            else:
+                await message.nak(delay=5)
+        await nc.flush()
+        self.settled += len(messages)
+
+    def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
+        with self.app.app_context():
+            return self.store(self.source, deliveries)
+
+    async def _dead_letter(self, js: Any, message: Any, verdict: batch.Verdict) -> bool:
+        """Publish a copy to dead_letter_subject (if set); False when that failed."""
+        subject = self.source.dead_letter_subject
+        if subject is None:
+            return True
+        headers = dict(message.headers or {})
+        original = headers.pop(MSG_ID, None)
+        if original is not None:
+            headers[DEAD_LETTER_MSG_ID] = original
+        headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
+        headers[MSG_ID] = f"dead-letter:{self.source.stream}:{message.metadata.sequence.stream}"
+        try:
+            await js.publish(subject, message.data, headers=headers, timeout=5)
+        except _ERRORS as exc:
+            log.error(
+                "source %s: could not dead-letter to %r (%s); the message is retried",
+                self.source.name,
+                subject,
+                exc,
+            )
+            return False
+        return True
+
+    def _delivery(self, message: Any) -> Delivery:
+        headers = dict(message.headers or {})
+        return Delivery(
+            body=message.data,
+            content_type=headers.get("Content-Type"),
+            headers=headers,
+            subject=message.subject,
+            meta={"broker": "nats", "stream": self.source.stream, "subject": message.subject},
+        )

@@ -1,0 +1,226 @@
+"""The RabbitMQ consumer: pika's BlockingConnection, manual acks after the commit.
+
+A batch is at most ``prefetch`` messages: what arrived by the time it is
+full or a short wait has passed. The inbox stores it in one transaction,
+in a second thread, while the next batch arrives (``basic_qos`` allows two
+batches out unacknowledged); then a run of messages to acknowledge is one ``basic_ack``
+with ``multiple=True``, and a message to dead-letter a
+``basic_nack(requeue=False)`` (the queue's dead-letter exchange gets it,
+unchanged). The database away: the batch is nacked with requeue and the
+consumer backs off. The broker away: reconnect with backoff; what was not
+acknowledged comes back and is recognised as duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pika
+import pika.exceptions
+from flask import Flask
+
+from ..config import AMQP_PROPERTIES, BrokerSourceConfig
+from . import batch
+from .identify import Delivery, text_of
+from .outage import FatalConsumerError, Outage
+
+log = logging.getLogger(__name__)
+
+# How long a batch waits for more messages after its first one.
+BATCH_WAIT_SECONDS = 0.05
+# How long an idle consumer waits for a message before looking at the stop flag.
+IDLE_WAIT_SECONDS = 0.25
+_NOT_FOUND = 404
+_CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
+
+
+class RabbitConsumer:
+    """Consume one RabbitMQ queue into the inbox until ``stop`` is set."""
+
+    def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
+        self.app = app
+        self.source = source
+        self.stop = stop
+        self.outage = Outage(source.name)
+        # The unit of work; the benchmark's bare loop puts one that stores nothing.
+        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[batch.Verdict]] = (
+            batch.store
+        )
+        # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
+        self.settled = 0
+        self._cancelled = False
+
+    def run(self) -> None:
+        """Consume until stopped; reconnect and back off through outages."""
+        while not self.stop.is_set():
+            try:
+                self._session()
+            except FatalConsumerError:
+                raise
+            except _CONNECTION_ERRORS as exc:
+                self.stop.wait(self.outage.failed("broker", _describe(exc)))
+
+    def _connect(self) -> pika.BlockingConnection:
+        params = pika.URLParameters(self.source.url)
+        params.client_properties = {
+            "connection_name": f"webhook-receiver consume {self.source.name} pid {os.getpid()}"
+        }
+        return pika.BlockingConnection(params)
+
+    def _session(self) -> None:
+        connection = self._connect()
+        try:
+            channel = connection.channel()
+            self._check_queue(channel)
+            # Room for the batch being stored and the next one arriving.
+            channel.basic_qos(prefetch_count=min(2 * self.source.batch, 65535))
+            pending: list[tuple[Any, Any, bytes]] = []
+            self._cancelled = False
+            channel.add_on_cancel_callback(lambda _frame: self._on_cancel())
+            channel.basic_consume(
+                self.source.queue or "",
+                lambda _ch, method, props, body: pending.append((method, props, body)),
+                auto_ack=False,
+            )
+            log.info(
+                "source %s: consuming queue %r on %s",
+                self.source.name,
+                self.source.queue,
+                self.source.safe_url,
+            )
+            self.outage.recovered()
+            self._loop(connection, channel, pending)
+            if self._cancelled:
+                return  # the queue went away: the next session says so
+            channel.close()
+        finally:
+            if connection.is_open:
+                try:
+                    connection.close()
+                except _CONNECTION_ERRORS:
+                    pass
+
+    def _on_cancel(self) -> None:
+        self._cancelled = True
+
+    def _check_queue(self, channel: Any) -> None:
+        try:
+            channel.queue_declare(self.source.queue or "", passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == _NOT_FOUND:
+                raise FatalConsumerError(
+                    f"source {self.source.name}: queue {self.source.queue!r} does not exist on "
+                    f"{self.source.safe_url}; declare it (with its dead-letter exchange) first"
+                ) from exc
+            raise
+
+    def _loop(self, connection: Any, channel: Any, pending: list[tuple[Any, Any, bytes]]) -> None:
+        # One batch is stored in a second thread while the next one arrives
+        # (the QoS allows two batches out); batches are settled one at a
+        # time, in order, on this thread, which owns the channel. So an ack
+        # with multiple=True never reaches a message of a later batch.
+        first_at: float | None = None
+        inflight: tuple[list[tuple[Any, Any, bytes]], Future[list[batch.Verdict]]] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
+            while not self._cancelled:
+                stopping = self.stop.is_set()
+                if inflight is not None and inflight[1].done():
+                    taken, future = inflight
+                    inflight = None
+                    if not self._settle(connection, channel, taken, future, pending):
+                        first_at = None
+                        continue
+                if stopping and inflight is None:
+                    return  # SIGTERM: the batch in hand is committed and settled
+                if pending and first_at is None:
+                    first_at = time.monotonic()
+                full = len(pending) >= self.source.batch
+                waited = first_at is not None and time.monotonic() - first_at >= BATCH_WAIT_SECONDS
+                if inflight is None and pending and (full or waited) and not stopping:
+                    taken = pending[: self.source.batch]
+                    del pending[: self.source.batch]
+                    first_at = time.monotonic() if pending else None
+                    inflight = (taken, pool.submit(self._store, taken))
+                    continue
+                if inflight is not None:
+                    timeout = 0.002
+                elif first_at is None:
+                    timeout = IDLE_WAIT_SECONDS
+                else:
+                    timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
+                connection.process_data_events(time_limit=timeout)
+
+    def _store(self, taken: list[tuple[Any, Any, bytes]]) -> list[batch.Verdict]:
+        deliveries = [self._delivery(method, props, body) for method, props, body in taken]
+        with self.app.app_context():
+            return self.store(self.source, deliveries)
+
+    def _settle(
+        self,
+        connection: Any,
+        channel: Any,
+        taken: list[tuple[Any, Any, bytes]],
+        future: Future[list[batch.Verdict]],
+        pending: list[tuple[Any, Any, bytes]],
+    ) -> bool:
+        """Settle a stored batch; False when the database was away (everything requeued)."""
+        try:
+            verdicts = future.result()
+        except batch.DatabaseUnavailable as exc:
+            # Nothing committed, so nothing is settled as done: the broker
+            # gets back the batch and what arrived behind it, and the
+            # consumer waits before taking more.
+            last = (pending or taken)[-1][0].delivery_tag
+            pending.clear()
+            channel.basic_nack(delivery_tag=last, multiple=True, requeue=True)
+            delay = self.outage.failed("database", exc)
+            deadline = time.monotonic() + delay
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                connection.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            return False
+        self.outage.recovered()
+        run_end: int | None = None
+        for (method, _props, _body), verdict in zip(taken, verdicts, strict=True):
+            tag = method.delivery_tag
+            if verdict.action == batch.ACK:
+                run_end = tag
+                continue
+            if run_end is not None:
+                channel.basic_ack(delivery_tag=run_end, multiple=True)
+                run_end = None
+            channel.basic_nack(delivery_tag=tag, multiple=False, requeue=False)
+        if run_end is not None:
+            channel.basic_ack(delivery_tag=run_end, multiple=True)
+        self.settled += len(taken)
+        return True
+
+    def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
+        properties = {
+            name: text_of(value)
+            for name in AMQP_PROPERTIES
+            if name not in ("content_type",) and (value := getattr(props, name, None)) is not None
+        }
+        headers = {str(k): text_of(v) for k, v in (props.headers or {}).items()}
+        return Delivery(
+            body=body,
+            content_type=props.content_type,
+            headers=headers,
+            properties=properties,
+            meta={
+                "broker": "rabbitmq",
+                "queue": self.source.queue,
+                "exchange": method.exchange,
+                "routing_key": method.routing_key,
+            },
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"

@@ -1,0 +1,219 @@
+"""Forwards to message brokers: publish the event instead of POSTing it.
+
+A forward whose URL is ``amqp://`` (or ``amqps://``) publishes to an
+exchange with publisher confirms and ``mandatory=True``: the delivery is
+done only on the broker's confirm; an unroutable return or a nack is a
+retryable failure. A ``nats://`` forward publishes to JetStream and is
+done on its PubAck (one marked ``duplicate`` too: JetStream's duplicate
+window dropped a republish of a message it has).
+
+The message id (AMQP ``message_id``, NATS ``Nats-Msg-Id``) is the forward's
+stable key, ``<consumer>:<source>:<dedup key>``: a worker killed between
+the publish and marking the delivery done publishes the same id again, which
+JetStream drops within its window and a RabbitMQ consumer can deduplicate on.
+
+Connections are kept per thread and URL (pika's are not thread-safe), and
+opened again after an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import pika
+import pika.exceptions
+
+from ..config import ForwardConfig, redact_url
+
+AMQP_SCHEMES = frozenset({"amqp", "amqps"})
+NATS_SCHEMES = frozenset({"nats", "tls"})
+BROKER_SCHEMES = AMQP_SCHEMES | NATS_SCHEMES
+_PERSISTENT = 2
+# pika logs a returned message with the start of its body: events stay out of the logs.
+logging.getLogger("pika.adapters.blocking_connection").setLevel(logging.ERROR)
+
+
+class PublishError(Exception):
+    """A publish was not confirmed; the delivery is retried."""
+
+
+@dataclass(frozen=True)
+class BrokerMessage:
+    """What a broker forward publishes for one event."""
+
+    body: bytes
+    content_type: str | None
+    message_id: str
+    correlation_id: str
+    event_type: str | None
+    # Extra headers (AMQP headers table, NATS headers): source, event id.
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
+    """Publish ``message`` through ``forward``; return once confirmed, else raise PublishError."""
+    if forward.scheme in AMQP_SCHEMES:
+        _publish_amqp(forward, message)
+    else:
+        _publish_nats(forward, message)
+
+
+# -- RabbitMQ ------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _amqp_channel(forward: ForwardConfig) -> Any:
+    channels: dict[str, tuple[Any, Any]] = _local.__dict__.setdefault("amqp", {})
+    held = channels.get(forward.url)
+    if held is not None and held[0].is_open and held[1].is_open:
+        return held[1]
+    params = pika.URLParameters(forward.url)
+    params.socket_timeout = forward.timeout_seconds
+    params.blocked_connection_timeout = forward.timeout_seconds
+    params.client_properties = {"connection_name": f"webhook-receiver forward {forward.name}"}
+    connection = pika.BlockingConnection(params)
+    channel = connection.channel()
+    channel.confirm_delivery()
+    channels[forward.url] = (connection, channel)
+    return channel
+
+
+def _drop_amqp(forward: ForwardConfig) -> None:
+    held = _local.__dict__.get("amqp", {}).pop(forward.url, None)
+    if held is not None and held[0].is_open:
+        try:
+            held[0].close()
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+
+
+def _publish_amqp(forward: ForwardConfig, message: BrokerMessage) -> None:
+    routing_key = (forward.routing_key or "").replace("{event_type}", message.event_type or "")
+    properties = pika.BasicProperties(
+        message_id=message.message_id,
+        correlation_id=message.correlation_id,
+        type=message.event_type,
+        content_type=message.content_type or "application/octet-stream",
+        delivery_mode=_PERSISTENT,
+        headers=message.headers,
+    )
+    # A kept connection may have been closed by the broker while the worker
+    # was idle (missed heartbeats): one fresh connection is tried at once.
+    for fresh in (False, True):
+        try:
+            channel = _amqp_channel(forward)
+            channel.basic_publish(
+                forward.exchange, routing_key, message.body, properties, mandatory=True
+            )
+            return
+        except pika.exceptions.UnroutableError as exc:
+            raise PublishError(
+                f"unroutable: exchange {forward.exchange!r} has no queue for {routing_key!r}"
+            ) from exc
+        except pika.exceptions.NackError as exc:
+            raise PublishError("the broker nacked the message") from exc
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            _drop_amqp(forward)
+            raise PublishError(f"channel closed by the broker: {exc.reply_text}") from exc
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            _drop_amqp(forward)
+            if fresh:
+                raise PublishError(
+                    f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}"
+                ) from exc
+    raise AssertionError("unreachable")
+
+
+# -- NATS JetStream --------------------------------------------------------------
+
+
+class _NatsLoop:
+    """One event loop thread per process for JetStream publishes, with a connection per URL."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.connections: dict[str, Any] = {}
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="nats-publisher", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def jetstream(self, url: str, timeout: float) -> Any:
+        nc = self.connections.get(url)
+        if nc is None or nc.is_closed:
+            nc = await nats.connect(
+                url,
+                name="webhook-receiver forwards",
+                connect_timeout=timeout,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+            )
+            self.connections[url] = nc
+        return nc.jetstream()
+
+    async def close(self) -> None:
+        for nc in self.connections.values():
+            try:
+                await nc.close()
+            except Exception:
+                pass
+
+
+_nats_loop: _NatsLoop | None = None
+_nats_lock = threading.Lock()
+
+
+def _loop() -> _NatsLoop:
+    global _nats_loop
+    with _nats_lock:
+        if _nats_loop is None:
+            _nats_loop = _NatsLoop()
+        return _nats_loop
+
+
+@atexit.register
+def _close_nats() -> None:
+    if _nats_loop is not None:
+        try:
+            _nats_loop.run(_nats_loop.close(), timeout=2)
+        except Exception:
+            pass
+
+
+def _publish_nats(forward: ForwardConfig, message: BrokerMessage) -> None:
+    headers = {
+        "Nats-Msg-Id": message.message_id,
+        "Content-Type": message.content_type or "application/octet-stream",
+        "X-Request-Id": message.correlation_id,
+        **message.headers,
+    }
+    if message.event_type:
+        headers["X-Webhook-Event-Type"] = message.event_type
+    loop = _loop()
+
+    async def go() -> Any:
+        js = await loop.jetstream(forward.url, forward.timeout_seconds)
+        return await js.publish(
+            forward.subject or "", message.body, timeout=forward.timeout_seconds, headers=headers
+        )
+
+    try:
+        # A PubAck, duplicate or not, means the stream holds the message.
+        loop.run(go(), timeout=forward.timeout_seconds * 2)
+    except nats.js.errors.NoStreamResponseError as exc:
+        raise PublishError(f"no JetStream stream takes subject {forward.subject!r}") from exc
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
+        raise PublishError(f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}") from exc
