@@ -97,7 +97,9 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
     raise RuntimeError("receipt did not settle")  # pragma: no cover
 
 
-def receive_many(messages: Sequence[Message], *, all_or_nothing: bool = False) -> list[Outcome]:
+def receive_many(
+    messages: Sequence[Message], *, all_or_nothing: bool = False, fast: bool = True
+) -> list[Outcome]:
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
     New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
@@ -107,7 +109,8 @@ def receive_many(messages: Sequence[Message], *, all_or_nothing: bool = False) -
 
     ``all_or_nothing``: a batch with a conflict stores none of its events;
     the conflicts with stored events are kept for review all the same, and
-    BatchRefused says which.
+    BatchRefused says which. ``fast=False`` takes the plain Core statements
+    instead of PostgreSQL's column arrays (the contract tests compare them).
     """
     if not messages:
         return []
@@ -120,7 +123,7 @@ def receive_many(messages: Sequence[Message], *, all_or_nothing: bool = False) -
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
     try:
         outcomes, new_ids, conflicts = _store_batch(
-            engine, statements, messages, first, rows, now, all_or_nothing
+            engine, statements, messages, first, rows, now, all_or_nothing, fast
         )
     except _Refused as refused:
         outcomes, new_ids, conflicts = refused.args
@@ -152,22 +155,33 @@ def _store_batch(
     rows: list[dict[str, Any]],
     now: datetime,
     all_or_nothing: bool,
+    fast: bool,
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     routes = _routes()
+    arrays = statements.batch_insert if fast and statements.dialect_name == "postgresql" else None
     with transaction(engine) as conn:
-        new_ids = {
-            (row.source, row.dedup_key): row.id
-            for row in conn.execute(statements.insert_events, rows)
-        }
+        if arrays is not None:
+            inserted = conn.exec_driver_sql(arrays.sql, arrays.params(rows)).all()
+        else:
+            inserted = conn.execute(statements.insert_events, rows).all()
+        new_ids = {(source, key): event_id for event_id, source, key in inserted}
         taken = [key for key in first if key not in new_ids]
         stored: dict[tuple[str, str], _Stored] = {}
         if taken:
-            for row in conn.execute(statements.find_many, {"b_keys": taken}):
-                stored[(row.source, row.dedup_key)] = _Stored(row.id, row.fingerprint)
+            if arrays is not None:
+                keys = {"source": [s for s, _ in taken], "dedup_key": [k for _, k in taken]}
+                found = conn.exec_driver_sql(arrays.find_sql, keys).all()
+            else:
+                found = conn.execute(statements.find_many, {"b_keys": taken}).all()
+            for event_id, source, key, print_ in found:
+                stored[(source, key)] = _Stored(event_id, print_)
         deliveries = []
         for key, event_id in new_ids.items():
             message = messages[first[key]]
-            deliveries += _delivery_rows(event_id, routes(message.source, message.event_type), now)
+            # As for one message: a new delivery is due from its event's receipt.
+            deliveries += _delivery_rows(
+                event_id, routes(message.source, message.event_type), message.received_at or now
+            )
         if deliveries:
             conn.execute(statements.insert_deliveries, deliveries)
         outcomes: list[Outcome] = []
