@@ -303,3 +303,29 @@ def test_bodies_of_every_kind(admin_app, admin, body, content_type, expected, ki
 
 def test_missing_event_is_404(admin):
     assert admin.get("/admin/events/424242").status_code == 404
+
+
+def test_broker_sources_are_offered_as_a_filter_beside_webhook_sources(make_app):
+    from ..conftest import CLIENTS
+    from .conftest import PASSWORD, login
+
+    app = make_app(
+        {
+            "clients": CLIENTS,
+            "sources": {
+                "orders": {
+                    "provider": "rabbitmq",
+                    "url": "amqp://guest:secret-pw@127.0.0.1:5672/%2F",
+                    "queue": "orders",
+                },
+                "shop": {"provider": "github", "secrets": ["s"]},
+            },
+        },
+        ADMIN_PASSWORD=PASSWORD,
+    )
+    client = app.test_client()
+    login(client)
+    page = client.get("/admin/events").get_data(as_text=True)
+    assert '<option value="orders"' in page or ">orders</option>" in page
+    assert ">shop</option>" in page or '<option value="shop"' in page
+    assert "secret-pw" not in page

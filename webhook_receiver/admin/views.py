@@ -74,7 +74,9 @@ def _file_config() -> FileConfig:
 
 def _sources() -> list[str]:
     config = _file_config()
-    return sorted(config.sources) + [f"api:{name}" for name in sorted(config.clients)]
+    # Webhook and broker sources alike, then the API clients' sources.
+    names = sorted([*config.sources, *config.brokers])
+    return names + [f"api:{name}" for name in sorted(config.clients)]
 
 
 # -- session -----------------------------------------------------------------
