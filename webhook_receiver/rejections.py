@@ -17,11 +17,8 @@ the 401 still stands, and the counts wait for the next round.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
-import weakref
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -30,7 +27,8 @@ from flask import Flask, current_app
 from sqlalchemy import case
 from sqlalchemy.engine import Engine
 
-from .database import writer_turn
+from .background import BackgroundWriter
+from .database import transaction
 from .extensions import db
 from .models import Rejection, utcnow
 
@@ -59,21 +57,16 @@ class _Tally:
     last_seen_at: datetime
 
 
-class RejectionCounter:
+class RejectionCounter(BackgroundWriter):
     """One process's refusals not yet written, added up per key, and the thread that writes them."""
 
+    thread_name = "rejections"
+
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
+        super().__init__(flush_seconds)
         self.engine = engine
-        self.flush_seconds = flush_seconds
         self._pending: dict[_Key, _Tally] = {}
         self._dropped = 0
-        self._lock = threading.Lock()  # guards _pending and _dropped
-        self._flushing = threading.Lock()  # one write at a time (thread and exit)
-        self._due = threading.Event()
-        self._closing = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-        _COUNTERS.add(self)
 
     def record(self, key: _Key, detail: str, at: datetime) -> None:
         """Count one refusal; it is written within the flush interval."""
@@ -89,8 +82,7 @@ class RejectionCounter:
         if self.flush_seconds == 0:
             self.flush()
             return
-        self._start_thread()
-        self._due.set()
+        self.wake()
 
     def pending(self) -> int:
         """How many refusals wait to be written."""
@@ -124,15 +116,6 @@ class RejectionCounter:
                 return 0
             return sum(t.count for t in batch.values())
 
-    def close(self) -> None:
-        """Stop the thread and write what is pending."""
-        self._closing.set()
-        self._due.set()
-        thread = self._thread
-        if thread is not None and self._pid == os.getpid():
-            thread.join(timeout=self.flush_seconds + 30)
-        self.flush()
-
     def _write(self, batch: dict[_Key, _Tally]) -> None:
         stmt = self._insert()
         # A later batch (or another process) adds to the minute's row.
@@ -162,7 +145,7 @@ class RejectionCounter:
                 key=lambda kv: (kv[0].minute, kv[0].source, kv[0].reason, kv[0].remote_addr),
             )
         ]
-        with writer_turn(self.engine), self.engine.begin() as conn:
+        with transaction(self.engine) as conn:
             for row in rows:  # one upsert each: executemany cannot take ON CONFLICT's excluded
                 conn.execute(stmt, row)
 
@@ -189,36 +172,6 @@ class RejectionCounter:
                     self._dropped += tally.count
         if self.flush_seconds:
             self._due.set()  # try again after the interval
-
-    def _start_thread(self) -> None:
-        # A forked gunicorn worker has no copy of its parent's thread.
-        if self._thread is not None and self._pid == os.getpid():
-            return
-        with self._lock:
-            if self._thread is not None and self._pid == os.getpid():
-                return
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._run, name="rejections", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._due.wait()
-            if self._closing.wait(self.flush_seconds):
-                return
-            self._due.clear()
-            self.flush()
-
-
-_COUNTERS: weakref.WeakSet[RejectionCounter] = weakref.WeakSet()
-
-
-@atexit.register
-def _flush_at_exit() -> None:
-    # A worker stopped gracefully writes the refusals it counted before it goes.
-    for counter in list(_COUNTERS):
-        if counter._pid == os.getpid():
-            counter.flush()
 
 
 def record(source: str, reason: str, detail: str, remote_addr: str | None) -> None:

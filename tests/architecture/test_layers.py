@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.config": 1,
     "webhook_receiver.fingerprint": 1,
     "webhook_receiver.correlation": 1,
+    "webhook_receiver.background": 1,
 }
 
 

@@ -26,11 +26,7 @@ its own request instead, before the answer.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import threading
-import weakref
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -38,6 +34,7 @@ from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
 from sqlalchemy.engine import Engine
 
+from ..background import BackgroundWriter
 from ..database import transaction
 from ..extensions import db
 from ..models import Event, EventDuplicate, UTCDateTime
@@ -81,20 +78,15 @@ class Redelivery:
     received_at: datetime
 
 
-class DuplicateLedger:
+class DuplicateLedger(BackgroundWriter):
     """One process's redeliveries not yet written, and the thread that writes them."""
 
+    thread_name = "duplicate-ledger"
+
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
+        super().__init__(flush_seconds)
         self.engine = engine
-        self.flush_seconds = flush_seconds
         self._pending: list[Redelivery] = []
-        self._lock = threading.Lock()  # guards _pending
-        self._flushing = threading.Lock()  # one write at a time (thread and exit)
-        self._due = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closing = threading.Event()
-        self._pid = os.getpid()
-        _LEDGERS.add(self)
 
     def record(self, event_id: int, received_at: datetime) -> None:
         """Note one redelivery of ``event_id``; it is written within the flush interval."""
@@ -103,8 +95,7 @@ class DuplicateLedger:
             return
         with self._lock:
             self._pending.append(Redelivery(event_id, received_at))
-        self._start_thread()
-        self._due.set()
+        self.wake()
 
     def pending(self) -> int:
         """How many redeliveries wait to be written."""
@@ -130,15 +121,6 @@ class DuplicateLedger:
                 self._put_back(batch)
                 return 0
             return len(batch)
-
-    def close(self) -> None:
-        """Stop the thread and write what is pending."""
-        self._closing.set()
-        self._due.set()
-        thread = self._thread
-        if thread is not None and self._pid == os.getpid():
-            thread.join(timeout=self.flush_seconds + 30)
-        self.flush()
 
     def _write(self, batch: list[Redelivery]) -> None:
         counts: dict[int, tuple[int, datetime]] = {}
@@ -169,43 +151,6 @@ class DuplicateLedger:
                 extra={"outcome": "duplicates_dropped"},
             )
         self._due.set()  # try again after the interval
-
-    def _start_thread(self) -> None:
-        # A forked child (a gunicorn worker of a preloaded app) has no copy of
-        # its parent's thread: it starts its own.
-        if self._thread is not None and self._pid == os.getpid():
-            return
-        with self._lock:
-            if self._thread is not None and self._pid == os.getpid():
-                return
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._run, name="duplicate-ledger", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._due.wait()
-            # Let the interval gather a batch (close() writes what is left);
-            # what arrives while the batch is written sets _due again.
-            if self._closing.wait(self.flush_seconds):
-                return
-            self._due.clear()
-            self.flush()
-
-
-_LEDGERS: weakref.WeakSet[DuplicateLedger] = weakref.WeakSet()
-
-
-@atexit.register
-def _flush_at_exit() -> None:
-    # A gunicorn worker stopped gracefully (SIGTERM, max_requests, reload)
-    # exits through here: what it answered is written before it goes.
-    for ledger in list(_LEDGERS):
-        if ledger._pid == os.getpid():
-            for _ in range(3):  # no later round will come
-                ledger.flush()
-                if not ledger.pending():
-                    break
 
 
 def record(event_id: int, received_at: datetime) -> None:

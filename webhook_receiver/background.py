@@ -1,0 +1,90 @@
+"""A process's bookkeeping written in the background: gathered, then flushed in batches.
+
+Redeliveries' counts (inbox/duplicates.py) and refused deliveries
+(rejections.py) are bookkeeping, not idempotency: each process gathers them
+and one thread writes them together, at most ``flush_seconds`` later, and
+again when the process exits or the app closes. This class is that thread
+and its life cycle; a subclass says what is pending and how to write it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+
+
+class BackgroundWriter:
+    """A thread that calls ``flush()`` every ``flush_seconds`` while anything is due."""
+
+    thread_name = "background-writer"
+
+    def __init__(self, flush_seconds: float) -> None:
+        self.flush_seconds = flush_seconds
+        self._lock = threading.Lock()  # guards the subclass's pending state
+        self._flushing = threading.Lock()  # one write at a time (thread and exit)
+        self._due = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        _WRITERS.add(self)
+
+    def flush(self) -> int:
+        """Write what is pending now; return how much was written (0 if the write failed)."""
+        raise NotImplementedError
+
+    def pending(self) -> int:
+        """How much waits to be written."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Something is pending: have it written within the flush interval."""
+        self._start_thread()
+        self._due.set()
+
+    def close(self) -> None:
+        """Stop the thread and write what is pending."""
+        self._closing.set()
+        self._due.set()
+        thread = self._thread
+        if thread is not None and self._pid == os.getpid():
+            thread.join(timeout=self.flush_seconds + 30)
+        self.flush()
+
+    def _start_thread(self) -> None:
+        # A forked child (a gunicorn worker of a preloaded app) has no copy of
+        # its parent's thread: it starts its own.
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            # Let the interval gather a batch (close() writes what is left);
+            # what arrives while the batch is written sets _due again.
+            if self._closing.wait(self.flush_seconds):
+                return
+            self._due.clear()
+            self.flush()
+
+
+_WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    # A gunicorn worker stopped gracefully (SIGTERM, max_requests, reload)
+    # exits through here: what it gathered is written before it goes.
+    for writer in list(_WRITERS):
+        if writer._pid == os.getpid():
+            for _ in range(3):  # no later round will come
+                writer.flush()
+                if not writer.pending():
+                    break
