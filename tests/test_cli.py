@@ -185,3 +185,25 @@ def test_make_stop_stops_what_make_run_started(checkout):
         for pid in processes:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_commands_are_wrapped_once_however_many_apps_a_process_makes(tmp_path):
+    from webhook_receiver import create_app
+
+    def build():
+        return create_app(
+            {
+                "TESTING": True,
+                "SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path / 'w.sqlite3'}",
+                "RECEIVER_CONFIG": {},
+            }
+        )
+
+    for _ in range(3):
+        app = build()
+    # Each app used to wrap the shared command objects again, until a process
+    # that made enough apps hit the recursion limit running one.
+    for name in ("purge", "worker", "consume"):
+        invoke = app.cli.commands[name].invoke
+        assert hasattr(invoke, "__wrapped__")
+        assert not hasattr(invoke.__wrapped__, "__wrapped__"), name

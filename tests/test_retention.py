@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 import uuid
 from datetime import timedelta
 
@@ -231,7 +232,9 @@ def test_idempotency_records_rejections_and_login_failures_are_pruned(app, runne
             db.session.add(AdminLoginFailure(remote_addr="1.2.3.4", at=now - timedelta(age)))
         db.session.commit()
     result = runner.invoke(args=["purge", "--batch-size", "1"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output + "".join(
+        traceback.format_exception(*result.exc_info) if result.exc_info else []
+    )
     assert "purged 1 expired idempotency record(s)" in result.output
     assert "purged 2 rejection(s)" in result.output
     assert "purged 1 admin login failure(s)" in result.output

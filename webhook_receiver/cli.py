@@ -56,7 +56,15 @@ def _one_line(invoke: Callable[[click.Context], Any]) -> Callable[[click.Context
     return wrapper
 
 
+_WRAPPED = "_webhook_receiver_one_line"
+
+
 def init_app(app: Flask) -> None:
     """Give each of the app's commands (registered by now) one-line errors."""
     for command in app.cli.commands.values():
+        # Command objects are module-level and shared by every app made in a
+        # process (tests make hundreds): wrap each once, not once per app.
+        if getattr(command, _WRAPPED, False):
+            continue
         command.invoke = _one_line(command.invoke)  # type: ignore[method-assign,assignment]
+        setattr(command, _WRAPPED, True)
