@@ -11,10 +11,12 @@ and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from flask import Flask
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -23,6 +25,7 @@ from ..config import BrokerSourceConfig
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
 from ..observability import metrics
 from .identify import Delivery, Unidentified, identify
+from .outage import Outage
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +120,17 @@ def _count(source: str, verdicts: list[Verdict]) -> None:
                     verdict.detail,
                     extra={"source": source, "outcome": "dead_letter", "reason": verdict.reason},
                 )
+
+
+class Consumer:
+    """What every broker consumer holds: its app, source, stop signal, outage log and store."""
+
+    def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
+        self.app = app
+        self.source = source
+        self.stop = stop
+        self.outage = Outage(source.name)
+        # The unit of work; the benchmark's bare loop puts one that stores nothing.
+        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[Verdict]] = store
+        # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
+        self.settled = 0

@@ -16,20 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
-from flask import Flask
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from ..config import BrokerSourceConfig
 from . import batch
 from .identify import Delivery
-from .outage import FatalConsumerError, Outage
+from .outage import FatalConsumerError
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +40,8 @@ MSG_ID = "Nats-Msg-Id"
 _ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 
 
-class JetStreamConsumer:
+class JetStreamConsumer(batch.Consumer):
     """Consume one JetStream stream (through a durable pull consumer) until ``stop`` is set."""
-
-    def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
-        self.app = app
-        self.source = source
-        self.stop = stop
-        self.outage = Outage(source.name)
-        # The unit of work; the benchmark's bare loop puts one that stores nothing.
-        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[batch.Verdict]] = (
-            batch.store
-        )
-        # Messages settled so far (acked, dead-lettered or our own dead letters).
-        self.settled = 0
 
     def run(self) -> None:
         """Consume until stopped; reconnect and back off through outages."""

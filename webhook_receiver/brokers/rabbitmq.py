@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +27,7 @@ from flask import Flask
 from ..config import AMQP_PROPERTIES, BrokerSourceConfig
 from . import batch
 from .identify import Delivery, text_of
-from .outage import FatalConsumerError, Outage
+from .outage import FatalConsumerError
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +39,11 @@ _NOT_FOUND = 404
 _CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
 
 
-class RabbitConsumer:
+class RabbitConsumer(batch.Consumer):
     """Consume one RabbitMQ queue into the inbox until ``stop`` is set."""
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
-        self.app = app
-        self.source = source
-        self.stop = stop
-        self.outage = Outage(source.name)
-        # The unit of work; the benchmark's bare loop puts one that stores nothing.
-        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[batch.Verdict]] = (
-            batch.store
-        )
-        # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
-        self.settled = 0
+        super().__init__(app, source, stop)
         self._cancelled = False
 
     def run(self) -> None:
