@@ -263,15 +263,18 @@ def writer_turn(engine: Engine | None = None) -> AbstractContextManager[None]:
     return turns.turn()
 
 
-def dialect_insert(table: Any) -> Any:
-    """An INSERT of this database's dialect, which knows ``ON CONFLICT``."""
-    if db.engine.dialect.name == "postgresql":
+def dialect_insert(table: Any, engine: Engine | None = None) -> Any:
+    """An INSERT of the dialect of ``engine`` (the app's by default): it knows ``ON CONFLICT``."""
+    name = (engine or db.engine).dialect.name
+    if name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
         return pg_insert(table)
-    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-    return sqlite_insert(table)
+        return sqlite_insert(table)
+    raise NotImplementedError(f"SQLite and PostgreSQL are supported, not {name}")
 
 
 def insert_ignoring_conflicts(table: Any, index_elements: list[str]) -> Any:

@@ -10,8 +10,6 @@ from typing import Any
 from .extensions import db
 from .models import Event
 
-_t = Event.__table__
-
 # Header values that authenticate or sign a request are never stored: these
 # names, any name matching SECRET_NAME (X-Api-Key, X-Auth-Token,
 # X-Gitlab-Token, X-Shopify-Hmac-Sha256, ...), and each provider's own.

@@ -29,9 +29,10 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy import true as literal_true
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
+from ..database import dialect_insert
 from ..models import Delivery, Event, EventConflict, UTCDateTime, utcnow
 from ..processing.deliveries import new_delivery_columns
 from .driver import DriverStatement, FastPathError
@@ -68,15 +69,6 @@ CONFLICT_COLUMNS = (
 )
 
 
-def _insert(dialect_name: str, table: Any) -> Any:
-    """An INSERT of this dialect, which knows ``ON CONFLICT``."""
-    if dialect_name == "postgresql":
-        return postgresql.insert(table)
-    if dialect_name == "sqlite":
-        return sqlite.insert(table)
-    raise NotImplementedError(f"the inbox supports SQLite and PostgreSQL, not {dialect_name}")
-
-
 class Statements:
     """The statements of one engine (one dialect), compiled where it pays."""
 
@@ -91,7 +83,7 @@ class Statements:
         ).where(
             tuple_(events.c.source, events.c.dedup_key).in_(bindparam("b_keys", expanding=True))
         )
-        ignoring = _insert(dialect.name, events).on_conflict_do_nothing(
+        ignoring = dialect_insert(events, engine).on_conflict_do_nothing(
             index_elements=["source", "dedup_key"]
         )
         # None on a taken key, else the new id.
@@ -99,7 +91,7 @@ class Statements:
         # For a batch: which of its keys were new.
         self.insert_events = ignoring.returning(events.c.id, events.c.source, events.c.dedup_key)
         self.insert_deliveries = insert(deliveries)
-        self.keep_conflict = _conflict_upsert(dialect.name)
+        self.keep_conflict = _conflict_upsert(engine)
         if dialect.name == "sqlite":
             self.fast_find = DriverStatement(self.find, dialect)
             self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
@@ -163,10 +155,10 @@ def _array_element(column_type: Any) -> str | None:
     return None
 
 
-def _conflict_upsert(dialect_name: str) -> Any:
+def _conflict_upsert(engine: Engine) -> Any:
     # One record per distinct content: a repeat of the same conflicting
     # delivery only counts.
-    stmt = _insert(dialect_name, conflicts)
+    stmt = dialect_insert(conflicts, engine)
     return stmt.on_conflict_do_update(
         index_elements=["event_id", "fingerprint"],
         set_={
