@@ -30,13 +30,13 @@ def is_secret_header(name: str) -> bool:
 
 def redact_headers(
     headers: Iterable[tuple[str, str]], secret_names: Iterable[str] = ()
-) -> list[list[str]]:
-    """Return the headers as [name, value] pairs with secret-bearing values redacted."""
+) -> tuple[tuple[str, str], ...]:
+    """Return the headers as (name, value) pairs with secret-bearing values redacted."""
     listed = {name.lower() for name in secret_names}
-    return [
-        [name, REDACTED if name.lower() in listed or is_secret_header(name) else value]
+    return tuple(
+        (name, REDACTED if name.lower() in listed or is_secret_header(name) else value)
         for name, value in headers
-    ]
+    )
 
 
 def get_event(event_id: int) -> Event | None:

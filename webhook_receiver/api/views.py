@@ -64,9 +64,7 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             body=body,
             event_type=event_type,
             content_type=request.content_type,
-            headers=tuple(
-                (name, value) for name, value in events.redact_headers(request.headers.items())
-            ),
+            headers=events.redact_headers(request.headers.items()),
             meta={"idempotency_key": request.headers.get("Idempotency-Key")},
             correlation_id=correlation.current(),
             client=g.client,

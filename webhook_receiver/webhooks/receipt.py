@@ -169,10 +169,7 @@ def _store_batch(
 
 
 def _redacted(source: SourceConfig, headers: Headers) -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (name, value)
-        for name, value in events.redact_headers(headers.items(), redacted_headers(source))
-    )
+    return events.redact_headers(headers.items(), redacted_headers(source))
 
 
 def _column_length(name: str) -> int:
