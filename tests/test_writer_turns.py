@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,44 @@ def test_an_api_request_without_a_turn_frees_its_key(sqlite_app, monkeypatch):
     assert refused.status_code == 503
     monkeypatch.setattr(records, "find", real_find)
     assert client.post("/api/events", json=body, headers=headers).status_code == 201
+
+
+def test_a_unit_of_work_takes_the_turn_at_its_first_statement_and_keeps_it_to_the_commit(
+    sqlite_app,
+):
+    # Work before the first statement (parsing, hashing) keeps no other
+    # writer waiting; from the first statement, reads included, the turn is
+    # held, so a read is never followed by a write that another writer
+    # overtook (SQLite cannot upgrade such a read: SQLITE_BUSY_SNAPSHOT).
+    path = lock_path(sqlite_app)
+    with sqlite_app.app_context():
+        with database.unit_of_work() as session:
+            assert probe(path) == "free"
+            session.scalar(select(func.count()).select_from(Event))
+            assert probe(path) == "taken"
+            session.add(Event(**new_event("evt_first_statement")))
+        assert probe(path) == "free"
+        # A rolled-back unit of work lets go of its turn too.
+        with pytest.raises(RuntimeError), database.unit_of_work() as session:
+            session.scalar(select(func.count()).select_from(Event))
+            assert probe(path) == "taken"
+            raise RuntimeError("the view failed")
+        assert probe(path) == "free"
+        # A unit of work that continues a begun transaction takes it at once.
+        db.session.scalar(select(func.count()).select_from(Event))
+        with database.unit_of_work():
+            assert probe(path) == "taken"
+        assert probe(path) == "free"
+    assert events(sqlite_app) == 1
+
+
+def new_event(key: str) -> dict:
+    return {
+        "source": "stripe-live",
+        "dedup_key": key,
+        "fingerprint": "0" * 64,
+        "body": b"{}",
+        "headers": [],
+        "meta": {},
+        "received_at": datetime.now(UTC),
+    }

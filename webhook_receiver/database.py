@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 from flask import Flask
@@ -87,6 +88,8 @@ def init_app(app: Flask) -> None:
         if engine.dialect.name == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
             event.listen(engine, "begin", _on_sqlite_begin)
+            if not event.contains(Session, "after_begin", _take_pending_turn):
+                event.listen(Session, "after_begin", _take_pending_turn)
 
 
 @contextmanager
@@ -95,18 +98,63 @@ def unit_of_work(
 ) -> Iterator[Session | scoped_session[Any]]:
     """Commit the block's writes as one transaction, or roll back and re-raise.
 
-    The one way a session's writes commit. On SQLite the block runs in the
-    writers' turn (see SQLiteWriterTurns), so every writer waits for the
-    write lock the same way.
+    The one way a session's writes commit. On SQLite the transaction runs in
+    the writers' turn (see SQLiteWriterTurns), so every writer waits for the
+    write lock the same way. The turn is taken when the block's transaction
+    begins, at its first statement, not when the block opens: the Python
+    work before it (parsing, hashing) keeps no other writer waiting.
     """
     session = session or db.session
-    with writer_turn():
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+    engine = db.engine
+    turn = _LazyTurn(engine) if engine.dialect.name == "sqlite" else None
+    if turn is not None and _begun(session):
+        turn.take()  # the block continues a transaction that has already begun
+    token = _PENDING_TURN.set(turn)
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        _PENDING_TURN.reset(token)
+        if turn is not None:
+            turn.release()
+
+
+def _begun(session: Session | scoped_session[Any]) -> bool:
+    return (session() if isinstance(session, scoped_session) else session).in_transaction()
+
+
+class _LazyTurn:
+    """A unit of work's writers' turn, taken when its transaction begins."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._held: AbstractContextManager[None] | None = None
+
+    def take(self) -> None:
+        if self._held is None:
+            held = writer_turn(self._engine)
+            held.__enter__()
+            self._held = held
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(None, None, None)
+
+
+# The unit of work running in this thread (or task), whose turn is due.
+_PENDING_TURN: ContextVar[_LazyTurn | None] = ContextVar("pending_writer_turn", default=None)
+
+
+def _take_pending_turn(_session: Session, _transaction: Any, _connection: Connection) -> None:
+    # The session's transaction begins (its first statement is next): on
+    # SQLite the BEGIN is deferred, so no snapshot is taken before the turn.
+    turn = _PENDING_TURN.get()
+    if turn is not None:
+        turn.take()
 
 
 @contextmanager

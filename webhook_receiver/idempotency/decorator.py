@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
 
-from ..database import is_sqlite, unit_of_work
+from ..database import unit_of_work
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..observability import metrics
@@ -176,16 +176,11 @@ def _run_in_one_transaction(
     """Claim, run the view and save its answer in one transaction; None if the key was taken."""
     session = db.session
     try:
-        # The unit of work is one transaction (on SQLite one writers' turn,
-        # and the claim opens it with a write, so the view's reads and writes
-        # run under the write lock). PostgreSQL: the claim and the saved
-        # answer are one statement after the view, one round trip fewer.
+        # One transaction: the view's writes, then the claim and the saved
+        # answer in one statement. On SQLite the writers' turn is taken at
+        # the view's first statement and held to the commit, so the view's
+        # reads and writes run under the write lock.
         with unit_of_work():
-            claimed = None
-            if is_sqlite():
-                claimed = records.claim_in_transaction(req, _now(), ttl, lock_timeout)
-                if claimed is None:
-                    raise _KeyTaken()
             raised = False
             try:
                 rv = view(*args, **kwargs)
@@ -196,18 +191,14 @@ def _run_in_one_transaction(
                 raised = True
             response = current_app.make_response(rv)
             if response.status_code >= 500:
-                # Nothing is committed: the claim goes with the rest, and the
-                # key is free for the retry.
+                # Nothing is committed: the key is free for the retry.
                 raise _NotSaved(response)
             if raised:
                 # A view that raised keeps none of its writes: only its
-                # answer is saved, with the claim made again.
+                # answer is saved.
                 session.rollback()
-                claimed = None
             saved = (response.status_code, _saved_headers(response), response.get_data())
-            if claimed is not None:
-                records.complete(claimed, *saved, _now())
-            elif not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
+            if not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
                 raise _KeyTaken()
     except _KeyTaken:
         return None

@@ -8,8 +8,8 @@ database decides every race.
 
 Two ways to hold a key (docs/idempotency.md): a two-phase claim commits on
 its own under a lease (``claim``), for views whose effects reach other
-services; a claim in the view's own transaction (``claim_in_transaction``,
-or ``save_in_transaction`` with the response at once) is never seen
+services; a claim in the view's own transaction, made with the saved
+response at once after the view (``save_in_transaction``), is never seen
 uncommitted, needs no lease, and commits with the view's writes and the
 saved response, or rolls back with them.
 """
@@ -145,7 +145,7 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
 
     A lone read (no BEGIN, no ROLLBACK), so a replay is one round trip. An
     uncommitted claim is not seen: its holder decides, see
-    ``claim_in_transaction``.
+    ``save_in_transaction``.
     """
     statement, processors = _find_statement()
     with driver_cursor(db.engine) as cursor:
@@ -198,25 +198,6 @@ def _find_statement() -> tuple[DriverStatement, list[Any]]:
     return found
 
 
-def claim_in_transaction(
-    req: Request, now: datetime, ttl: timedelta, lock_timeout: float
-) -> Claimed | None:
-    """Claim the key in the session's transaction, before the view runs; None if it is taken.
-
-    For SQLite, where the claim opens the transaction with a write, so that
-    the view's reads and writes run under the write lock. The claim has no
-    lease: nobody sees it before it commits, and it commits completed
-    (``complete``). Its lease is over the moment it is taken, so if it were
-    ever seen in progress, it could be taken over. See ``_upsert`` for the
-    races.
-    """
-    token = secrets.token_hex(16)
-    values = _claim_values(req, token, now, timedelta(0), ttl)
-    values.update(dict.fromkeys(_RESPONSE_COLUMNS))
-    claimed_id = _upsert(req, values, now, lock_timeout)
-    return None if claimed_id is None else Claimed(claimed_id, token)
-
-
 def save_in_transaction(
     req: Request,
     response: tuple[int, list[list[str]], bytes],
@@ -226,8 +207,8 @@ def save_in_transaction(
 ) -> bool:
     """Claim the key and save its response in one statement, after the view ran.
 
-    The claim and the completion at once (one round trip fewer than
-    ``claim_in_transaction`` and ``complete``), in the session's
+    The claim and the completion at once (one round trip fewer than a
+    claim before the view and a completion after it), in the session's
     transaction, which commits the view's writes with it. False if the key
     is taken: roll back, and answer from its record (``find``).
     """
@@ -268,7 +249,6 @@ _UPSERT_COLUMNS = (
     *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
     *("response_headers", "response_body"),
 )
-_RESPONSE_COLUMNS = ("completed_at", "response_status", "response_headers", "response_body")
 _UPSERTS: dict[str, Any] = {}
 
 
