@@ -3,8 +3,8 @@
 The claim, the event and the saved response are one transaction, so a
 request that dies anywhere before its commit leaves nothing behind, and a
 request racing it with the same key waits for that commit and answers from
-it. Each scenario pauses the real request at a real statement (an engine
-event hook that blocks, or ends the process) to make the interleaving
+it. Each scenario pauses the real request right after one of its real
+writes (a hook that blocks, or ends the process) to make the interleaving
 certain rather than likely.
 """
 
@@ -25,8 +25,9 @@ from flask import Flask
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy.engine import Engine
 
-from webhook_receiver import create_app
+from webhook_receiver import create_app, inbox
 from webhook_receiver.extensions import db
+from webhook_receiver.idempotency import records
 from webhook_receiver.idempotency.records import COMPLETED
 from webhook_receiver.models import Event, IdempotencyRecord
 
@@ -61,19 +62,35 @@ def engine_of(app: Flask) -> Engine:
         return db.engine
 
 
+# The request's two writes, in its one transaction: the view's event, then
+# the key's record with the saved answer. Hooked where the app calls them,
+# since both run on the driver, unseen by SQLAlchemy's statement events.
+WRITES = {
+    "event": (inbox, "add"),
+    "record": (records, "save_in_transaction"),
+}
+
+
 @contextmanager
-def hook(app: Flask, on_statement: Callable[[Any, str], None]) -> Iterator[None]:
-    """Call ``on_statement(connection, sql)`` after each statement the app's engine runs."""
+def after_each_write(on_write: Callable[[str], None]) -> Iterator[None]:
+    """Call ``on_write("event")`` or ``on_write("record")`` right after that write, uncommitted."""
+    originals = {step: getattr(module, name) for step, (module, name) in WRITES.items()}
 
-    def after(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        on_statement(conn, statement)
+    def wrap(step: str) -> Callable[..., Any]:
+        def written(*args: Any, **kwargs: Any) -> Any:
+            result = originals[step](*args, **kwargs)
+            on_write(step)
+            return result
 
-    engine = engine_of(app)
-    event.listen(engine, "after_cursor_execute", after)
+        return written
+
+    for step, (module, name) in WRITES.items():
+        setattr(module, name, wrap(step))
     try:
         yield
     finally:
-        event.remove(engine, "after_cursor_execute", after)
+        for step, (module, name) in WRITES.items():
+            setattr(module, name, originals[step])
 
 
 @contextmanager
@@ -91,12 +108,12 @@ def on_checkin(app: Flask, callback: Callable[[], None]) -> Iterator[None]:
         event.remove(engine, "checkin", checkin)
 
 
-def is_event_insert(sql: str) -> bool:
-    return sql.lstrip().upper().startswith("INSERT INTO EVENTS")
+def is_event_insert(step: str) -> bool:
+    return step == "event"
 
 
-def is_record_write(sql: str) -> bool:
-    return sql.lstrip().upper().startswith("INSERT INTO IDEMPOTENCY_RECORDS")
+def is_record_write(step: str) -> bool:
+    return step == "record"
 
 
 # -- crashes -----------------------------------------------------------------
@@ -113,11 +130,11 @@ def crash_after_the_event_insert(db_url: str, key: str) -> None:
         }
     )
 
-    def die(_conn: Any, sql: str) -> None:
-        if is_event_insert(sql):
+    def die(step: str) -> None:
+        if is_event_insert(step):
             os._exit(17)  # no rollback, no close: the process is gone mid-transaction
 
-    with hook(app, die):
+    with after_each_write(die):
         post(app, key)
     os._exit(0)  # pragma: no cover (the request did not reach its event)
 
@@ -152,17 +169,17 @@ def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, d
     admin = create_engine(db_url)
     terminated: list[int] = []
 
-    def terminate(conn: Any, sql: str) -> None:
+    def terminate(step: str) -> None:
         # After the event's INSERT, before the record's: the server ends the
         # backend (as a failover or an operator would), mid-transaction.
-        if is_event_insert(sql) and not terminated:
-            pid = conn.connection.driver_connection.info.backend_pid
+        if is_event_insert(step) and not terminated:
+            pid = db.session.connection().connection.driver_connection.info.backend_pid
             with admin.connect() as other:
                 other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
             terminated.append(pid)
 
     try:
-        with hook(app, terminate):
+        with after_each_write(terminate):
             first = post(app, "cut-key")
         assert terminated
         assert first.status_code == 503
@@ -181,7 +198,7 @@ def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, d
 
 
 class Paused:
-    """Hold one thread's request after a statement until ``release()`` (or only see it pass)."""
+    """Hold one thread's request after a write until ``release()`` (or only see it pass)."""
 
     def __init__(self, matches: Callable[[str], bool], *, hold: bool = True) -> None:
         self.matches = matches
@@ -191,8 +208,9 @@ class Paused:
         if not hold:
             self._go.set()
 
-    def __call__(self, _conn: Any, sql: str) -> None:
-        if threading.get_ident() == self.thread and not self.reached.is_set() and self.matches(sql):
+    def __call__(self, step: str) -> None:
+        mine = threading.get_ident() == self.thread
+        if mine and not self.reached.is_set() and self.matches(step):
             self.reached.set()
             self._go.wait(WAIT)
 
@@ -234,15 +252,14 @@ def hold_the_first_and_race(
 ) -> tuple[Future[Any], Future[Any]]:
     """Hold a first request on its uncommitted record; start a second that meets it."""
     # The first request holds its record's row, written but not committed
-    # (on SQLite, the claim that opens its transaction, with the write lock).
+    # (on SQLite, with the writers' turn, held since its event's insert).
     first_paused = Paused(is_record_write)
-    # Reading the key is a request's first use of a connection (on the
-    # driver, unseen by statement hooks): when the second request gives its
-    # first connection back, it has read the key.
+    # Reading the key is a request's first use of a connection: when the
+    # second request gives its first connection back, it has read the key.
     second_read = Paused(lambda _what: True, hold=False)
 
     pool = ThreadPoolExecutor(2)
-    with hook(app, first_paused), on_checkin(app, lambda: second_read(None, "checkin")):
+    with after_each_write(first_paused), on_checkin(app, lambda: second_read("checkin")):
         first = start(pool, app, key, BODY, first_paused)
         assert first_paused.reached.wait(WAIT)
         second = start(pool, app, key, second_body, second_read)
@@ -286,7 +303,7 @@ def test_waiting_past_the_lock_timeout_is_409_with_retry_after(make_app, db_url)
     app = make_app(IDEMPOTENCY_LOCK_TIMEOUT_SECONDS=0.05)
     paused = Paused(is_record_write)
     pool = ThreadPoolExecutor(1)
-    with hook(app, paused):
+    with after_each_write(paused):
         first = start(pool, app, "slow-key", BODY, paused)
         assert paused.reached.wait(WAIT)
         # The first holds its uncommitted record for as long as this takes.

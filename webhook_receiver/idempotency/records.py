@@ -36,7 +36,7 @@ from ..database import (
     writer_turn,
 )
 from ..extensions import db
-from ..inbox.driver import DriverStatement, driver_cursor
+from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
 from ..models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -231,17 +231,32 @@ def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: f
     """
     params = {**values, "client": req.client, "key": req.key, "b_now": now}
     connection = db.session.connection()
-    if is_sqlite():
-        return cast(int | None, connection.execute(_upsert_statement("sqlite"), params).scalar())
-    params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+    dialect = connection.dialect.name
+    if dialect != "sqlite":
+        params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+    statement = _upserts(connection.engine)
     try:
-        return cast(
-            int | None, connection.execute(_upsert_statement("postgresql"), params).scalar()
-        )
+        # On the driver: SQLAlchemy's execution cost more than the statement.
+        with transaction_cursor(connection) as cursor:
+            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
     except OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
             raise KeyLocked() from exc
         raise
+    return None if row is None else cast(int, row[0])
+
+
+_UPSERTS: weakref.WeakKeyDictionary[Engine, DriverStatement] = weakref.WeakKeyDictionary()
+
+
+def _upserts(engine: Engine) -> DriverStatement:
+    """The upsert of ``_upsert`` for ``engine``, compiled on first use."""
+    statement = _UPSERTS.get(engine)
+    if statement is None:
+        statement = _UPSERTS[engine] = DriverStatement(
+            _upsert_statement(engine.dialect.name), engine.dialect
+        )
+    return statement
 
 
 _UPSERT_COLUMNS = (
@@ -249,14 +264,10 @@ _UPSERT_COLUMNS = (
     *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
     *("response_headers", "response_body"),
 )
-_UPSERTS: dict[str, Any] = {}
 
 
 def _upsert_statement(dialect: str) -> Any:
-    """The upsert of ``_upsert`` for this dialect, built once."""
-    statement = _UPSERTS.get(dialect)
-    if statement is not None:
-        return statement
+    """The upsert of ``_upsert`` for this dialect."""
     params = {name: bindparam(name, type_=_t.c[name].type) for name in _UPSERT_COLUMNS}
     now = bindparam("b_now", type_=_t.c.expires_at.type)
     takeable = or_(
@@ -280,7 +291,6 @@ def _upsert_statement(dialect: str) -> Any:
         set_={name: insert.excluded[name] for name in _UPSERT_COLUMNS[2:]},
         where=takeable,
     ).returning(_t.c.id)
-    _UPSERTS[dialect] = statement
     return statement
 
 

@@ -12,11 +12,11 @@ here equals the row the plain Core path stores.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 
@@ -48,21 +48,30 @@ class DriverStatement:
         # qmark (SQLite) binds by position, pyformat (psycopg) by name.
         self._positional = compiled.positiontup is not None
         names = compiled.positiontup if self._positional else list(compiled.binds)
-        self._binds = [
-            (
-                name,
-                compiled.binds[name].key,
-                compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect),
-            )
-            for name in names or ()
-        ]
+        # (name, key, converter, constant): a value written into the
+        # statement (``state = 'in_progress'``) has no key and is converted
+        # once; the others come from ``params()``'s values.
+        self._binds: list[tuple[str, str | None, Any, Any]] = []
+        for name in names or ():
+            bind = compiled.binds[name]
+            if bind.callable is not None:
+                raise FastPathError(f"bind {bind.key!r} takes its value from a callable")
+            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if bind.required:
+                self._binds.append((name, bind.key, process, None))
+            else:
+                constant = bind.value if process is None else process(bind.value)
+                self._binds.append((name, None, None, constant))
 
     def params(self, values: Mapping[str, Any]) -> Any:
         """The statement's parameters, converted from ``values`` (keyed by bind key)."""
-        converted = (
-            (name, values[key] if process is None else process(values[key]))
-            for name, key, process in self._binds
-        )
+        converted = []
+        for name, key, process, constant in self._binds:
+            if key is None:
+                converted.append((name, constant))
+            else:
+                value = values[key]
+                converted.append((name, value if process is None else process(value)))
         if self._positional:
             return tuple(value for _, value in converted)
         return dict(converted)
@@ -78,28 +87,66 @@ def driver_cursor(engine: Engine) -> Iterator[Any]:
     SQLAlchemy's, so a database that is away or locked is a 503 like
     everywhere else, and a dead connection leaves the pool.
     """
-    dialect = engine.dialect
-    dbapi_error = dialect.loaded_dbapi.Error
-    postgresql = dialect.name == "postgresql"
+    postgresql = engine.dialect.name == "postgresql"
     pooled = None
     try:
-        pooled = engine.raw_connection()  # a refused connection raises here too
-        driver = pooled.driver_connection
-        if postgresql:
-            driver.autocommit = True  # type: ignore[union-attr]
-        cursor = driver.cursor()  # type: ignore[union-attr]
+        with _errors_as_sqlalchemys(engine, lambda: pooled):
+            pooled = engine.raw_connection()  # a refused connection raises here too
+            driver = pooled.driver_connection
+            if postgresql:
+                driver.autocommit = True  # type: ignore[union-attr]
+            cursor = driver.cursor()  # type: ignore[union-attr]
+            try:
+                yield cursor
+            finally:
+                # Closing ends the statement: on SQLite an autocommitted
+                # statement commits only once it is finished.
+                cursor.close()
+    finally:
+        if pooled is not None:
+            if postgresql and pooled.is_valid:
+                pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
+            pooled.close()
+
+
+@contextmanager
+def transaction_cursor(connection: Connection) -> Iterator[Any]:
+    """A driver cursor inside ``connection``'s transaction (a session's): it commits with it.
+
+    For DriverStatements in a unit of work, where SQLAlchemy's execution
+    would cost more than the statement; errors come out as SQLAlchemy's,
+    as from ``driver_cursor``.
+    """
+    with _errors_as_sqlalchemys(connection.engine, lambda: connection):
+        cursor = connection.connection.cursor()
         try:
             yield cursor
         finally:
-            # Closing ends the statement: on SQLite an autocommitted
-            # statement commits only once it is finished.
             cursor.close()
+
+
+@contextmanager
+def _errors_as_sqlalchemys(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
+    """Raise the driver's errors as SQLAlchemy's; on a disconnect, drop ``owner()``'s connection.
+
+    ``owner()`` is a pooled connection or a Connection (None before one is
+    had): what SQLAlchemy would invalidate.
+    """
+    dialect = engine.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
+    try:
+        yield
     except dbapi_error as exc:
-        invalidated = pooled is not None and dialect.is_disconnect(exc, pooled, None)
+        held = owner()
+        driver = None
+        if held is not None:
+            pooled = held.connection if isinstance(held, Connection) else held
+            driver = pooled.dbapi_connection
+        invalidated = driver is not None and dialect.is_disconnect(exc, driver, None)
         if invalidated:
             # As SQLAlchemy does on a disconnect: the other pooled
             # connections went with the server, so the pool is replaced.
-            pooled.invalidate(exc)  # type: ignore[union-attr]
+            held.invalidate(exc)
             engine.dispose(close=False)
         raise DBAPIError.instance(
             "",
@@ -110,8 +157,3 @@ def driver_cursor(engine: Engine) -> Iterator[Any]:
             connection_invalidated=invalidated,
             dialect=dialect,
         ) from exc
-    finally:
-        if pooled is not None:
-            if postgresql and pooled.is_valid:
-                pooled.driver_connection.autocommit = False  # type: ignore[union-attr]
-            pooled.close()

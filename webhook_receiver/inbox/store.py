@@ -24,7 +24,7 @@ from ..extensions import db
 from ..models import utcnow
 from ..processing.deliveries import new_delivery_columns
 from . import duplicates
-from .driver import driver_cursor
+from .driver import driver_cursor, transaction_cursor
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .statements import CONFLICT_COLUMNS, Statements, for_engine
 
@@ -208,20 +208,25 @@ def _store_batch(
     return outcomes, new_ids, conflicts
 
 
-def add(message: Message) -> int | None:
+def add(message: Message, *, fast: bool = True) -> int | None:
     """Write a new event and its deliveries in the session's transaction; None if the key is taken.
 
     For an intake whose unit of work holds more than the event (the
     Idempotency-Key API): the caller commits, or rolls back, everything.
+    On PostgreSQL it is the one-statement receipt, run in that transaction;
+    ``fast=False`` takes the plain Core statements instead.
     """
     statements = for_engine(db.engine)
     conn = db.session.connection()
-    now = message.received_at or utcnow()
-    event_id = conn.execute(statements.insert_event, event_values(message, now)).scalar()
-    if event_id is not None:
-        rows = _delivery_rows(event_id, _routes()(message.source, message.event_type), now)
-        if rows:
-            conn.execute(statements.insert_deliveries, rows)
+    values = event_values(message, message.received_at or utcnow())
+    consumers = _routes()(message.source, message.event_type)
+    if fast and statements.dialect_name == "postgresql":
+        with transaction_cursor(conn) as cursor:
+            _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
+    else:
+        event_id = conn.execute(statements.insert_event, values).scalar()
+        if event_id is not None:
+            _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
     # Not logged here: the caller's unit of work may still roll back; it logs its outcome.
     return event_id
 
@@ -302,15 +307,26 @@ def _receive_postgresql(
     A taken key writes nothing, so its commit is free; a new event commits
     durably, deliveries included, before the statement returns.
     """
+    with driver_cursor(engine) as cursor:
+        return _postgresql_receipt(cursor, statements, values, consumers)
+
+
+def _postgresql_receipt(
+    cursor: Any,
+    statements: Statements,
+    values: dict[str, Any],
+    consumers: list[tuple[str, str]],
+) -> tuple[_Stored | None, int | None]:
+    """Run PostgreSQL's one-statement receipt on ``cursor``, in whatever transaction it is."""
     statement = statements.fast_receive
     bind = {f"v_{name}": value for name, value in values.items()}
     bind["v_consumers"] = [name for name, _ in consumers]
     bind["v_kinds"] = [kind for _, kind in consumers]
     for name, value in new_delivery_columns(values["received_at"]).items():
         bind[f"d_{name}"] = value
-    with driver_cursor(engine) as cursor:
-        row = cursor.execute(statement.sql, statement.params(bind)).fetchone()
-    stored_id, stored_fingerprint, event_id, _enqueued = row
+    stored_id, stored_fingerprint, event_id, _enqueued = cursor.execute(
+        statement.sql, statement.params(bind)
+    ).fetchone()
     if stored_id is not None:
         return _Stored(stored_id, stored_fingerprint), None
     return None, event_id
