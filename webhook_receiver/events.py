@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -23,6 +24,7 @@ SECRET_NAME = re.compile(
 REDACTED = "[redacted]"
 
 
+@functools.lru_cache(maxsize=1024)  # names repeat from request to request; bounded for the rest
 def is_secret_header(name: str) -> bool:
     """Tell whether a header's name says its value may carry a credential."""
     return name.lower() in ALWAYS_REDACTED or SECRET_NAME.search(name) is not None

@@ -92,9 +92,11 @@ class Statements:
         self.insert_events = ignoring.returning(events.c.id, events.c.source, events.c.dedup_key)
         self.insert_deliveries = insert(deliveries)
         self.keep_conflict = _conflict_upsert(engine)
+        # The event alone, on the driver: SQLite's receipt, and an event
+        # with no deliveries added to a unit of work (inbox.add).
+        self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
         if dialect.name == "sqlite":
             self.fast_find = DriverStatement(self.find, dialect)
-            self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
         elif dialect.name == "postgresql":
             self.fast_receive = DriverStatement(_receive_statement(), dialect)
             self.batch_insert = ColumnArrays(dialect)

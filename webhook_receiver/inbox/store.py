@@ -222,7 +222,14 @@ def add(message: Message, *, fast: bool = True) -> int | None:
     consumers = _routes()(message.source, message.event_type)
     if fast and statements.dialect_name == "postgresql":
         with transaction_cursor(conn) as cursor:
-            _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
+            if consumers:
+                _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
+            else:
+                # The plain INSERT: the receipt's read and deliveries would
+                # cost the server for nothing.
+                insert_ = statements.fast_insert
+                row = cursor.execute(insert_.sql, insert_.params(values)).fetchone()
+                event_id = None if row is None else row[0]
     else:
         event_id = conn.execute(statements.insert_event, values).scalar()
         if event_id is not None:
