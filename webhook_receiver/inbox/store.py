@@ -213,27 +213,29 @@ def add(message: Message, *, fast: bool = True) -> int | None:
 
     For an intake whose unit of work holds more than the event (the
     Idempotency-Key API): the caller commits, or rolls back, everything.
-    On PostgreSQL it is the one-statement receipt, run in that transaction;
-    ``fast=False`` takes the plain Core statements instead.
+    The event's INSERT runs on the driver in that transaction (on
+    PostgreSQL, with deliveries, the one-statement receipt); ``fast=False``
+    takes the plain Core statements instead.
     """
     statements = for_engine(db.engine)
     conn = db.session.connection()
     values = event_values(message, message.received_at or utcnow())
     consumers = _routes()(message.source, message.event_type)
-    if fast and statements.dialect_name == "postgresql":
+    if fast and consumers and statements.dialect_name == "postgresql":
         with transaction_cursor(conn) as cursor:
-            if consumers:
-                _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
-            else:
-                # The plain INSERT: the receipt's read and deliveries would
-                # cost the server for nothing.
-                insert_ = statements.fast_insert
-                row = cursor.execute(insert_.sql, insert_.params(values)).fetchone()
-                event_id = None if row is None else row[0]
+            _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
+        return event_id
+    if fast:
+        # The event's INSERT on the driver (on SQLite, inside the writers'
+        # turn, where every microsecond keeps another writer waiting).
+        insert_ = statements.fast_insert
+        with transaction_cursor(conn) as cursor:
+            row = cursor.execute(insert_.sql, insert_.params(values)).fetchone()
+        event_id = None if row is None else row[0]
     else:
         event_id = conn.execute(statements.insert_event, values).scalar()
-        if event_id is not None:
-            _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
+    if event_id is not None:
+        _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
     # Not logged here: the caller's unit of work may still roll back; it logs its outcome.
     return event_id
 
