@@ -118,7 +118,8 @@ class ColumnArrays:
             element = _array_element(events.c[name].type)
             if element is None:
                 raise FastPathError(f"no array type for events.{name} ({column_type})")
-            casts.append(f"%({name})s::{element}[]")
+            # Binary (%b): text format escapes every element with a regex.
+            casts.append(f"%({name})b::{element}[]")
             self._processors.append((name, column_type.bind_processor(dialect)))
         columns = ", ".join(EVENT_COLUMNS)
         self.sql = (
@@ -128,7 +129,7 @@ class ColumnArrays:
         # The keys a batch found taken, read back with their fingerprints.
         self.find_sql = (
             "SELECT e.id, e.source, e.dedup_key, e.fingerprint FROM events AS e "
-            "JOIN unnest(%(source)s::text[], %(dedup_key)s::text[]) AS k(source, dedup_key) "
+            "JOIN unnest(%(source)b::text[], %(dedup_key)b::text[]) AS k(source, dedup_key) "
             "ON e.source = k.source AND e.dedup_key = k.dedup_key"
         )
 
