@@ -8,6 +8,7 @@ crash between the two writes would.
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -352,3 +353,17 @@ def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fie
                 [message("fast-1", **fields), message("core-2", **fields)], fast=fast_path
             )
             assert again == [inbox.Duplicate(fast[1].event_id), inbox.Duplicate(core[2].event_id)]
+
+
+def test_a_batch_logs_each_outcome_at_info_and_conflicts_whatever_the_level(make_app, caplog):
+    app = make_app(_config(forwards=False))
+    with app.app_context():
+        inbox.receive_many([message("k1")])
+        batch = [message("k2"), message("k1"), message("k1", fingerprint="e" * 64)]
+        with caplog.at_level(logging.INFO, logger="webhook_receiver.inbox"):
+            inbox.receive_many(batch)
+        assert [r.outcome for r in caplog.records] == ["accepted", "duplicate", "conflict"]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="webhook_receiver.inbox"):
+            inbox.receive_many([message("k3"), *batch])
+        assert [r.outcome for r in caplog.records] == ["conflict"]

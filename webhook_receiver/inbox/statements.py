@@ -182,15 +182,24 @@ class _Arrays:
                 raise FastPathError(f"no array type for {table.name}.{name} ({column_type})")
             # Binary (%b): in text format psycopg escapes each element with a regex.
             casts.append(f"%({prefix}{name})b::{element}[]")
-            self._processors.append((prefix + name, name, column_type.bind_processor(dialect)))
+            process = column_type.bind_processor(dialect)
+            # A batch's times are mostly one (its receipt): each is converted once.
+            once = process is not None and element == "timestamp"
+            self._processors.append((prefix + name, name, process, once))
         self.casts = ", ".join(casts)
 
     def params(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
         """One array per column, converted from ``rows``."""
-        return {
-            param: [row[name] if process is None else process(row[name]) for row in rows]
-            for param, name, process in self._processors
-        }
+        arrays = {}
+        for param, name, process, once in self._processors:
+            values = [row[name] for row in rows]
+            if once:
+                converted = {value: process(value) for value in set(values)}
+                values = [converted[value] for value in values]
+            elif process is not None:
+                values = [process(value) for value in values]
+            arrays[param] = values
+        return arrays
 
 
 def _array_element(column_type: Any) -> str | None:

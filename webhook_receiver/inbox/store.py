@@ -138,10 +138,13 @@ def receive_many(
         for message, event_id in kept:
             _log_outcome(message, Conflict(event_id))
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
+    # A line per message at INFO: not even built when INFO is off (a consumer's batches).
+    info = log.isEnabledFor(logging.INFO)
     for message, outcome in zip(messages, outcomes, strict=True):
         if isinstance(outcome, Duplicate):
             duplicates.record(outcome.event_id, message.received_at or now)
-        _log_outcome(message, outcome)
+        if info or isinstance(outcome, Conflict):
+            _log_outcome(message, outcome)
     return outcomes
 
 
