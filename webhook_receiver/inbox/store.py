@@ -237,6 +237,7 @@ def _write_arrays(
     wanted = _wanted_deliveries([messages[i] for i in first.values()], now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
+    conn.exec_driver_sql(arrays.plan_each_time)
     for event_id, source, key, print_, is_new in conn.exec_driver_sql(
         arrays.sql, arrays.params(rows, wanted)
     ):
