@@ -367,3 +367,45 @@ def test_a_batch_logs_each_outcome_at_info_and_conflicts_whatever_the_level(make
         with caplog.at_level(logging.WARNING, logger="webhook_receiver.inbox"):
             inbox.receive_many([message("k3"), *batch])
         assert [r.outcome for r in caplog.records] == ["conflict"]
+
+
+def test_a_batch_settles_a_key_committed_by_another_while_its_statement_waited(make_app):
+    # The batch's statement reads the taken keys in its snapshot; a copy
+    # committed after that, while the insert waited on its row, is read
+    # back afterwards (PostgreSQL's one-statement batch).
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per key: a writer waits for the database")
+        racing = inbox.add(message("race"))  # in this session's transaction: not committed
+        assert racing is not None
+        outcomes: list[Any] = []
+
+        def batch() -> None:
+            with app.app_context():
+                outcomes.extend(inbox.receive_many([message("new"), message("race")]))
+
+        thread = threading.Thread(target=batch)
+        thread.start()
+        waited = False
+        with db.engine.connect() as watcher:  # until the batch waits on the row
+            for _ in range(200):
+                waited = bool(
+                    watcher.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND datname = current_database()"
+                        )
+                    ).scalar()
+                )
+                if waited:
+                    break
+                watcher.rollback()
+                thread.join(0.05)
+        db.session.commit()
+        thread.join(30)
+        assert waited and not thread.is_alive()
+        new = outcomes[0]
+        assert isinstance(new, inbox.Accepted)
+        assert outcomes == [new, inbox.Duplicate(racing)]
+        assert (_count(Event), _count(Delivery)) == (2, 4)
