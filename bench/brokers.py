@@ -58,10 +58,16 @@ class Row:
         return self.count / self.seconds
 
 
-def _body(n: int) -> bytes:
+def _body(key: str, n: int) -> bytes:
     return json.dumps(
-        {"id": f"evt-{n}", "type": "order.paid", "data": {"order": n, "x": "y" * 64}}
+        {"id": key, "type": "order.paid", "data": {"order": n, "x": "y" * 64}}
     ).encode()
+
+
+def _key(queue_or_stream: str, n: int) -> str:
+    # Unique per queue or stream: the runs of a curve share one database,
+    # and a run's unique messages must not be duplicates of the last run's.
+    return f"{queue_or_stream}-evt-{n}"
 
 
 # -- RabbitMQ -------------------------------------------------------------------
@@ -85,10 +91,11 @@ class RabbitQueue:
         with self.channel() as ch:
             ch.confirm_delivery()
             for n in range(count):
+                key = _key(self.name, n)
                 props = pika.BasicProperties(
-                    message_id=f"evt-{n}", type="order.paid", content_type="application/json"
+                    message_id=key, type="order.paid", content_type="application/json"
                 )
-                ch.basic_publish("", self.name, _body(n), props)
+                ch.basic_publish("", self.name, _body(key, n), props)
 
     def delete(self) -> None:
         with self.channel() as ch:
@@ -118,8 +125,11 @@ class NatsStream:
                     *(
                         js.publish(
                             self.subject,
-                            _body(n),
-                            headers={"Nats-Msg-Id": f"evt-{n}", "Content-Type": "application/json"},
+                            _body(_key(self.name, n), n),
+                            headers={
+                                "Nats-Msg-Id": _key(self.name, n),
+                                "Content-Type": "application/json",
+                            },
                         )
                         for n in range(start, min(start + 500, count))
                     )

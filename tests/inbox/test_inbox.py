@@ -8,6 +8,7 @@ crash between the two writes would.
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -352,3 +353,59 @@ def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fie
                 [message("fast-1", **fields), message("core-2", **fields)], fast=fast_path
             )
             assert again == [inbox.Duplicate(fast[1].event_id), inbox.Duplicate(core[2].event_id)]
+
+
+def test_a_batch_logs_each_outcome_at_info_and_conflicts_whatever_the_level(make_app, caplog):
+    app = make_app(_config(forwards=False))
+    with app.app_context():
+        inbox.receive_many([message("k1")])
+        batch = [message("k2"), message("k1"), message("k1", fingerprint="e" * 64)]
+        with caplog.at_level(logging.INFO, logger="webhook_receiver.inbox"):
+            inbox.receive_many(batch)
+        assert [r.outcome for r in caplog.records] == ["accepted", "duplicate", "conflict"]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="webhook_receiver.inbox"):
+            inbox.receive_many([message("k3"), *batch])
+        assert [r.outcome for r in caplog.records] == ["conflict"]
+
+
+def test_a_batch_settles_a_key_committed_by_another_while_its_statement_waited(make_app):
+    # The batch's statement reads the taken keys in its snapshot; a copy
+    # committed after that, while the insert waited on its row, is read
+    # back afterwards (PostgreSQL's one-statement batch).
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per key: a writer waits for the database")
+        racing = inbox.add(message("race"))  # in this session's transaction: not committed
+        assert racing is not None
+        outcomes: list[Any] = []
+
+        def batch() -> None:
+            with app.app_context():
+                outcomes.extend(inbox.receive_many([message("new"), message("race")]))
+
+        thread = threading.Thread(target=batch)
+        thread.start()
+        waited = False
+        with db.engine.connect() as watcher:  # until the batch waits on the row
+            for _ in range(200):
+                waited = bool(
+                    watcher.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND datname = current_database()"
+                        )
+                    ).scalar()
+                )
+                if waited:
+                    break
+                watcher.rollback()
+                thread.join(0.05)
+        db.session.commit()
+        thread.join(30)
+        assert waited and not thread.is_alive()
+        new = outcomes[0]
+        assert isinstance(new, inbox.Accepted)
+        assert outcomes == [new, inbox.Duplicate(racing)]
+        assert (_count(Event), _count(Delivery)) == (2, 4)

@@ -165,10 +165,22 @@ def _clean_meta(delivery: Delivery) -> dict[str, Any]:
     meta = dict(delivery.meta)
     if delivery.properties:
         meta["properties"] = dict(delivery.properties)
-    text = json.dumps(meta, default=str)
-    if "\\u0000" not in text:
+    # Serialising only to look for a NUL costs more than the look itself.
+    if not _holds_nul(meta):
         return meta
+    text = json.dumps(meta, default=str)
     return cast(dict[str, Any], json.loads(text.replace("\\u0000", "\\ufffd")))
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_nul(item) for item in value)
+    # Anything else is serialised by str() (json.dumps' default above).
+    return not isinstance(value, int | float | None) and "\x00" in str(value)
 
 
 def text_of(value: Any) -> str:

@@ -2,7 +2,8 @@
 
 Each ``fetch`` takes up to ``batch`` messages (or what arrives within a
 short wait); the inbox stores them in one transaction, run in a thread so
-that the connection keeps answering pings; only then is each message
+that the connection keeps answering pings, while the next batch is
+fetched; only then is each message
 settled: ``ack`` for a new message or a same-content duplicate; for a
 conflict or a message that cannot be identified, a copy to
 ``dead_letter_subject`` (when set) and ``term``. The database away: every
@@ -86,20 +87,38 @@ class JetStreamConsumer(batch.Consumer):
                 self.source.safe_url,
             )
             self.outage.recovered()
-            while not self.stop.is_set():
-                try:
-                    messages = await subscription.fetch(
-                        self.source.batch, timeout=FETCH_WAIT_SECONDS
-                    )
-                except nats.errors.TimeoutError:
-                    continue
-                if messages:
-                    await self._flush(nc, js, messages)
+            await self._consume(nc, js, subscription)
         finally:
             try:
                 await nc.close()
             except _ERRORS:
                 pass
+
+    async def _consume(self, nc: Any, js: Any, subscription: Any) -> None:
+        # One batch is stored (and then settled) while the next one is
+        # fetched; batches are settled one at a time, in order.
+        inflight: asyncio.Task[None] | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    messages = await subscription.fetch(
+                        self.source.batch, timeout=FETCH_WAIT_SECONDS
+                    )
+                except TimeoutError:
+                    # Nothing came within the wait: nats-py says so with its
+                    # own TimeoutError, or a bare one once its deadline ran out
+                    # (that one was taken for an outage: a reconnection and a
+                    # back-off).
+                    messages = []
+                if inflight is not None:
+                    await inflight
+                    inflight = None
+                if messages:
+                    inflight = asyncio.create_task(self._flush(nc, js, messages))
+        finally:
+            # Stopping or not, the batch in hand is committed and settled first.
+            if inflight is not None:
+                await inflight
 
     async def _subscribe(self, js: Any) -> Any:
         stream, durable = self.source.stream or "", self.source.durable or ""

@@ -1,14 +1,16 @@
 """The inbox's SQL, built once per engine: the plain Core statements and the fast paths.
 
 Every statement that writes a received message is here. The plain Core
-statements serve batches, in-transaction writes and the reference path of
-the contract tests; the fast paths serve one message at a time:
+statements serve SQLite's batches, in-transaction writes and the reference
+path of the contract tests; the fast paths:
 
-- SQLite: the key read and the event INSERT run on the driver
+- SQLite, one message: the key read and the event INSERT run on the driver
   (:class:`~.driver.DriverStatement`), the INSERT autocommitted when the
   event has no deliveries to write with it.
-- PostgreSQL: the read, the insert and the deliveries are one statement
-  (CTEs), run on the driver in its own transaction: one round trip.
+- PostgreSQL, one message: the read, the insert and the deliveries are one
+  statement (CTEs), run on the driver in its own transaction: one round trip.
+- PostgreSQL, a batch: the same in one statement over column arrays
+  (:class:`ColumnArrays`), inside the batch's transaction.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ EVENT_COLUMNS = (
 )
 # A new delivery's columns: its event, consumer and kind, then the defaults.
 DELIVERY_DEFAULTS = tuple(new_delivery_columns(utcnow()))
+DELIVERY_COLUMNS = ("consumer", "kind", *DELIVERY_DEFAULTS)
 CONFLICT_COLUMNS = (
     "source",
     "dedup_key",
@@ -103,43 +106,107 @@ class Statements:
 
 
 class ColumnArrays:
-    """PostgreSQL's batch insert: one array parameter per column, the rows by ``unnest``.
+    """PostgreSQL's batch: one statement, one array parameter per column, rows by ``unnest``.
 
     One short statement whatever the batch's size, so psycopg prepares it
-    once on the server; a multi-row ``VALUES`` list is a new, long statement
-    for every batch size, parsed each time. The arrays' elements are
-    converted by the columns' own types, as SQLAlchemy would convert them
-    (the contract tests compare the rows with the plain Core path's).
+    once on the server (a multi-row ``VALUES`` list is a new, long statement
+    for every batch size, parsed each time), and one round trip besides
+    ``plan_each_time``: it reads the keys already taken, inserts the new
+    events and their deliveries (the outbox), and returns both. The arrays go in binary (text format
+    escapes every element) and their elements are converted by the columns'
+    own types, as SQLAlchemy would convert them (the contract tests compare
+    the rows with the plain Core path's).
     """
 
     def __init__(self, dialect: Any) -> None:
-        casts = []
-        self._processors = []
-        for name in EVENT_COLUMNS:
-            column_type = events.c[name].type.dialect_impl(dialect)
-            element = _array_element(events.c[name].type)
-            if element is None:
-                raise FastPathError(f"no array type for events.{name} ({column_type})")
-            casts.append(f"%({name})s::{element}[]")
-            self._processors.append((name, column_type.bind_processor(dialect)))
+        self._events = _Arrays(events, EVENT_COLUMNS, dialect)
+        self._deliveries = _Arrays(deliveries, DELIVERY_COLUMNS, dialect, prefix="d_")
         columns = ", ".join(EVENT_COLUMNS)
+        wanted = ", ".join(DELIVERY_COLUMNS)
+        # ``stored`` sees the events committed before the statement; a key
+        # taken by a copy committed since is in neither result (find_sql).
         self.sql = (
-            f"INSERT INTO events ({columns}) SELECT * FROM unnest({', '.join(casts)}) "
-            "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key"
+            f"WITH batch AS (SELECT * FROM unnest({self._events.casts}) AS b({columns})), "
+            f"stored AS ({_TAKEN} FROM batch AS k, {_LOOKUP}), "
+            f"inserted AS (INSERT INTO events ({columns}) SELECT * FROM batch "
+            "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key), "
+            f"enqueued AS (INSERT INTO deliveries (event_id, {wanted}) "
+            f"SELECT i.id, {', '.join(f'w.{name}' for name in DELIVERY_COLUMNS)} "
+            "FROM inserted AS i JOIN unnest(%(d_source)b::text[], %(d_dedup_key)b::text[], "
+            f"{self._deliveries.casts}) AS w(source, dedup_key, {wanted}) "
+            "ON w.source = i.source AND w.dedup_key = i.dedup_key) "
+            "SELECT id, source, dedup_key, NULL, true FROM inserted "
+            "UNION ALL SELECT id, source, dedup_key, fingerprint, false FROM stored"
         )
-        # The keys a batch found taken, read back with their fingerprints.
+        # Run first in the batch's transaction: the statement is planned for
+        # each batch, with its arrays and the table as they are then. A plan
+        # cached early (psycopg prepares a statement on its fifth run) made
+        # batches of 100 five times slower as the table grew.
+        self.plan_each_time = "SET LOCAL plan_cache_mode = force_custom_plan"
+        # The keys taken by a racing copy, read back with their fingerprints.
         self.find_sql = (
-            "SELECT e.id, e.source, e.dedup_key, e.fingerprint FROM events AS e "
-            "JOIN unnest(%(source)s::text[], %(dedup_key)s::text[]) AS k(source, dedup_key) "
-            "ON e.source = k.source AND e.dedup_key = k.dedup_key"
+            f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "
+            f"AS k(source, dedup_key), {_LOOKUP}"
         )
 
-    def params(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-        """The statement's arrays, one per column, converted from ``rows``."""
+    def params(
+        self, rows: list[dict[str, Any]], wanted: list[dict[str, Any]]
+    ) -> dict[str, list[Any]]:
+        """The statement's arrays: the events ``rows``, and the deliveries ``wanted``.
+
+        Each wanted delivery names its event by source and dedup key; only
+        those of events this statement inserts are written.
+        """
         return {
-            name: [row[name] if process is None else process(row[name]) for row in rows]
-            for name, process in self._processors
+            **self._events.params(rows),
+            **self._deliveries.params(wanted),
+            "d_source": [row["source"] for row in wanted],
+            "d_dedup_key": [row["dedup_key"] for row in wanted],
         }
+
+
+# The event under each key ``k``, by one index lookup per key: a join would
+# scan the whole table whenever its statistics are stale, and the plan is
+# prepared once. LIMIT (the key is unique) keeps the planner from making
+# the lateral subquery a join.
+_TAKEN = "SELECT e.id, e.source, e.dedup_key, e.fingerprint"
+_LOOKUP = (
+    "LATERAL (SELECT id, source, dedup_key, fingerprint FROM events "
+    "WHERE source = k.source AND dedup_key = k.dedup_key LIMIT 1) AS e"
+)
+
+
+class _Arrays:
+    """Some columns of a table as array parameters: their casts and converters."""
+
+    def __init__(self, table: Any, names: tuple[str, ...], dialect: Any, prefix: str = "") -> None:
+        casts = []
+        self._processors = []
+        for name in names:
+            column_type = table.c[name].type.dialect_impl(dialect)
+            element = _array_element(table.c[name].type)
+            if element is None:
+                raise FastPathError(f"no array type for {table.name}.{name} ({column_type})")
+            # Binary (%b): in text format psycopg escapes each element with a regex.
+            casts.append(f"%({prefix}{name})b::{element}[]")
+            process = column_type.bind_processor(dialect)
+            # A batch's times are mostly one (its receipt): each is converted once.
+            once = process is not None and element == "timestamp"
+            self._processors.append((prefix + name, name, process, once))
+        self.casts = ", ".join(casts)
+
+    def params(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        """One array per column, converted from ``rows``."""
+        arrays = {}
+        for param, name, process, once in self._processors:
+            values = [row[name] for row in rows]
+            if once:
+                converted = {value: process(value) for value in set(values)}
+                values = [converted[value] for value in values]
+            elif process is not None:
+                values = [process(value) for value in values]
+            arrays[param] = values
+        return arrays
 
 
 def _array_element(column_type: Any) -> str | None:

@@ -103,9 +103,11 @@ def receive_many(
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
     New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
-    RETURNING`` and their deliveries one more INSERT. A key repeated inside
-    the batch is settled against its first occurrence. Raises the database's
-    error (nothing committed) when it is away or locked.
+    RETURNING`` and their deliveries one more INSERT; on PostgreSQL both,
+    with the read of the keys already taken, are one statement. A key
+    repeated inside the batch is settled against its first occurrence.
+    Raises the database's error (nothing committed) when it is away or
+    locked.
 
     ``all_or_nothing``: a batch with a conflict stores none of its events;
     the conflicts with stored events are kept for review all the same, and
@@ -136,10 +138,13 @@ def receive_many(
         for message, event_id in kept:
             _log_outcome(message, Conflict(event_id))
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
+    # A line per message at INFO: not even built when INFO is off (a consumer's batches).
+    info = log.isEnabledFor(logging.INFO)
     for message, outcome in zip(messages, outcomes, strict=True):
         if isinstance(outcome, Duplicate):
             duplicates.record(outcome.event_id, message.received_at or now)
-        _log_outcome(message, outcome)
+        if info or isinstance(outcome, Conflict):
+            _log_outcome(message, outcome)
     return outcomes
 
 
@@ -157,33 +162,9 @@ def _store_batch(
     all_or_nothing: bool,
     fast: bool,
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
-    routes = _routes()
-    arrays = statements.batch_insert if fast and statements.dialect_name == "postgresql" else None
+    write = _write_arrays if fast and statements.dialect_name == "postgresql" else _write_core
     with transaction(engine) as conn:
-        if arrays is not None:
-            inserted = conn.exec_driver_sql(arrays.sql, arrays.params(rows)).all()
-        else:
-            inserted = conn.execute(statements.insert_events, rows).all()
-        new_ids = {(source, key): event_id for event_id, source, key in inserted}
-        taken = [key for key in first if key not in new_ids]
-        stored: dict[tuple[str, str], _Stored] = {}
-        if taken:
-            if arrays is not None:
-                keys = {"source": [s for s, _ in taken], "dedup_key": [k for _, k in taken]}
-                found = conn.exec_driver_sql(arrays.find_sql, keys).all()
-            else:
-                found = conn.execute(statements.find_many, {"b_keys": taken}).all()
-            for event_id, source, key, print_ in found:
-                stored[(source, key)] = _Stored(event_id, print_)
-        deliveries = []
-        for key, event_id in new_ids.items():
-            message = messages[first[key]]
-            # As for one message: a new delivery is due from its event's receipt.
-            deliveries += _delivery_rows(
-                event_id, routes(message.source, message.event_type), message.received_at or now
-            )
-        if deliveries:
-            conn.execute(statements.insert_deliveries, deliveries)
+        new_ids, stored = write(conn, statements, messages, first, rows, now)
         outcomes: list[Outcome] = []
         conflicts: list[tuple[Message, int]] = []
         for index, message in enumerate(messages):
@@ -206,6 +187,98 @@ def _store_batch(
         for message, event_id in conflicts:
             _keep_conflict(conn, statements, event_id, message, now)
     return outcomes, new_ids, conflicts
+
+
+# What a batch's writes found: the new events' ids, and the events already
+# under the other keys, by (source, dedup key).
+_Written = tuple[dict[tuple[str, str], int], dict[tuple[str, str], _Stored]]
+
+
+def _write_core(
+    conn: Connection,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+) -> _Written:
+    """The plain Core path: insert the events, read the taken keys, insert the deliveries."""
+    routes = _routes()
+    inserted = conn.execute(statements.insert_events, rows).all()
+    new_ids = {(source, key): event_id for event_id, source, key in inserted}
+    taken = [key for key in first if key not in new_ids]
+    stored: dict[tuple[str, str], _Stored] = {}
+    if taken:
+        found = conn.execute(statements.find_many, {"b_keys": taken})
+        for event_id, source, key, print_ in found:
+            stored[(source, key)] = _Stored(event_id, print_)
+    deliveries = []
+    for key, event_id in new_ids.items():
+        message = messages[first[key]]
+        # As for one message: a new delivery is due from its event's receipt.
+        deliveries += _delivery_rows(
+            event_id, routes(message.source, message.event_type), message.received_at or now
+        )
+    if deliveries:
+        conn.execute(statements.insert_deliveries, deliveries)
+    return new_ids, stored
+
+
+def _write_arrays(
+    conn: Connection,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+) -> _Written:
+    """PostgreSQL: the taken keys' read, the events and their deliveries in one statement."""
+    arrays = statements.batch_insert
+    wanted = _wanted_deliveries([messages[i] for i in first.values()], now)
+    new_ids: dict[tuple[str, str], int] = {}
+    stored: dict[tuple[str, str], _Stored] = {}
+    conn.exec_driver_sql(arrays.plan_each_time)
+    for event_id, source, key, print_, is_new in conn.exec_driver_sql(
+        arrays.sql, arrays.params(rows, wanted)
+    ):
+        if is_new:
+            new_ids[(source, key)] = event_id
+        else:
+            stored[(source, key)] = _Stored(event_id, print_)
+    # Taken by a copy committed while the statement ran: not in its snapshot.
+    raced = [key for key in first if key not in new_ids and key not in stored]
+    if raced:
+        keys = {"source": [s for s, _ in raced], "dedup_key": [k for _, k in raced]}
+        for event_id, source, key, print_ in conn.exec_driver_sql(arrays.find_sql, keys):
+            stored[(source, key)] = _Stored(event_id, print_)
+    return new_ids, stored
+
+
+def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:
+    """The deliveries of each message, were it new, named by its source and dedup key."""
+    routes = _routes()
+    consumers: dict[tuple[str, str | None], list[tuple[str, str]]] = {}
+    columns: dict[datetime, dict[str, Any]] = {}
+    wanted = []
+    for message in messages:
+        route = (message.source, message.event_type)
+        if route not in consumers:
+            consumers[route] = routes(*route)
+        # As for one message: a new delivery is due from its event's receipt.
+        received_at = message.received_at or now
+        if received_at not in columns:
+            columns[received_at] = new_delivery_columns(received_at)
+        for name, kind in consumers[route]:
+            wanted.append(
+                {
+                    "source": message.source,
+                    "dedup_key": message.dedup_key,
+                    "consumer": name,
+                    "kind": kind,
+                    **columns[received_at],
+                }
+            )
+    return wanted
 
 
 def add(message: Message, *, fast: bool = True) -> int | None:
