@@ -493,6 +493,10 @@ def test_sql_and_html_like_strings_are_stored_verbatim(server, engine):
         (b'{"a":"x\\uDFFFy"}', True),
         (b'"\\ud83d\\ude00"', False),  # a surrogate pair is one character
         (b'"\\\\ud800"', False),  # an escaped backslash, then text
+        (b"\xef\xbb\xbf{}", True),  # a byte order mark is not JSON (RFC 8259 section 8.1)
+        (b'{"a":1,"a":2}', True),
+        (b"[NaN]", True),
+        (b"[1e400]", True),
     ],
 )
 def test_strict_json_bounds_depth_and_refuses_lone_surrogates(body, refused):

@@ -70,19 +70,24 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
+# Built once: json.loads and json.dumps build a new decoder or encoder for
+# every call that passes options.
+_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant, parse_float=_finite, object_pairs_hook=_unique_members
+)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def loads(body: bytes) -> Any:
     """Parse strict JSON from bytes, refusing what json.loads lets through."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise JSONError("body is not valid UTF-8") from exc
+    if text.startswith("\ufeff"):
+        raise JSONError("body is not valid JSON: a UTF-8 byte order mark comes first")
     try:
-        value = json.loads(
-            text,
-            parse_constant=_reject_constant,
-            parse_float=_finite,
-            object_pairs_hook=_unique_members,
-        )
+        value = _DECODER.decode(text)
     except _Refused as exc:
         raise JSONError(str(exc)) from exc
     except RecursionError as exc:
@@ -128,9 +133,7 @@ def is_json_type(content_type: str | None) -> bool:
 def canonical_json(value: Any) -> bytes:
     """Serialise a parsed JSON value canonically."""
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
-            "utf-8"
-        )
+        return _ENCODER.encode(value).encode("utf-8")
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
     except UnicodeEncodeError as exc:
