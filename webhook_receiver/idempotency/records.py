@@ -147,7 +147,8 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
     uncommitted claim is not seen: its holder decides, see
     ``save_in_transaction``.
     """
-    statement, processors = _find_statement()
+    statements = _driver_statements(db.engine)
+    statement, processors = statements.find, statements.find_processors
     with driver_cursor(db.engine) as cursor:
         params = statement.params({"b_client": req.client, "b_key": req.key})
         row = cursor.execute(statement.sql, params).fetchone()
@@ -173,29 +174,40 @@ class _Stored:
     response_body: bytes | None
 
 
-# Per engine: each engine its own dialect (the tests run apps on both databases).
-_FINDS: weakref.WeakKeyDictionary[Engine, tuple[DriverStatement, list[Any]]] = (
-    weakref.WeakKeyDictionary()
-)
+@dataclass(frozen=True)
+class _DriverStatements:
+    """The record's statements on one engine's driver (each engine its own dialect)."""
+
+    find: DriverStatement
+    # Each column of ``_LOOKUP``'s conversion of the value read.
+    find_processors: list[Any]
+    upsert: DriverStatement
 
 
-def _find_statement() -> tuple[DriverStatement, list[Any]]:
-    """``_LOOKUP`` on the driver, and each column's conversion, built on first use.
+# Per engine: the tests run apps on both databases.
+_BY_ENGINE: weakref.WeakKeyDictionary[Engine, _DriverStatements] = weakref.WeakKeyDictionary()
 
-    A replay is this read and nothing else: through SQLAlchemy's execution
+
+def _driver_statements(engine: Engine) -> _DriverStatements:
+    """``_LOOKUP`` and the upsert of ``_upsert`` on ``engine``'s driver, built on first use.
+
+    A replay is the read and nothing else: through SQLAlchemy's execution
     (a Connection, its result) the read cost about as much CPU as the rest
-    of the replay. The columns' own types still convert each value.
+    of the replay; the upsert too cost more than its statement. The
+    columns' own types still convert each value.
     """
-    engine = db.engine
-    dialect = engine.dialect
-    found = _FINDS.get(engine)
-    if found is None:
-        processors = [
-            column.type.dialect_impl(dialect).result_processor(dialect, None)
-            for column in _LOOKUP.selected_columns
-        ]
-        found = _FINDS[engine] = (DriverStatement(_LOOKUP, dialect), processors)
-    return found
+    built = _BY_ENGINE.get(engine)
+    if built is None:
+        dialect = engine.dialect
+        built = _BY_ENGINE[engine] = _DriverStatements(
+            find=DriverStatement(_LOOKUP, dialect),
+            find_processors=[
+                column.type.dialect_impl(dialect).result_processor(dialect, None)
+                for column in _LOOKUP.selected_columns
+            ],
+            upsert=DriverStatement(_upsert_statement(dialect.name), dialect),
+        )
+    return built
 
 
 def save_in_transaction(
@@ -234,9 +246,8 @@ def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: f
     dialect = connection.dialect.name
     if dialect != "sqlite":
         params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
-    statement = _upserts(connection.engine)
+    statement = _driver_statements(connection.engine).upsert
     try:
-        # On the driver: SQLAlchemy's execution cost more than the statement.
         with transaction_cursor(connection) as cursor:
             row = cursor.execute(statement.sql, statement.params(params)).fetchone()
     except OperationalError as exc:
@@ -244,19 +255,6 @@ def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: f
             raise KeyLocked() from exc
         raise
     return None if row is None else cast(int, row[0])
-
-
-_UPSERTS: weakref.WeakKeyDictionary[Engine, DriverStatement] = weakref.WeakKeyDictionary()
-
-
-def _upserts(engine: Engine) -> DriverStatement:
-    """The upsert of ``_upsert`` for ``engine``, compiled on first use."""
-    statement = _UPSERTS.get(engine)
-    if statement is None:
-        statement = _UPSERTS[engine] = DriverStatement(
-            _upsert_statement(engine.dialect.name), engine.dialect
-        )
-    return statement
 
 
 _UPSERT_COLUMNS = (

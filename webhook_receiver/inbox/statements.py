@@ -112,10 +112,10 @@ class ColumnArrays:
     once on the server (a multi-row ``VALUES`` list is a new, long statement
     for every batch size, parsed each time), and one round trip besides
     ``plan_each_time``: it reads the keys already taken, inserts the new
-    events and their deliveries (the outbox), and returns both. The arrays go in binary (text format
-    escapes every element) and their elements are converted by the columns'
-    own types, as SQLAlchemy would convert them (the contract tests compare
-    the rows with the plain Core path's).
+    events and their deliveries (the outbox), and returns both. The arrays
+    go in binary (text format escapes every element) and their elements are
+    converted by the columns' own types, as SQLAlchemy would convert them
+    (the contract tests compare the rows with the plain Core path's).
     """
 
     def __init__(self, dialect: Any) -> None:
