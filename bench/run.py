@@ -4,6 +4,13 @@ Each scenario of ``bench.scenarios.SCENARIOS`` runs on each database: a
 gunicorn with the same options serves the scenario's app, the scenario
 prepares its requests against the live server, and wrk loads it for a fixed
 time after a short warm-up. Nothing here knows what a scenario sends.
+
+A machine shared with others (a cloud VM whose CPU is stolen by its
+neighbours) moves throughput by a third from one minute to the next. So
+the scenarios run in rounds, each round with its own baseline run first,
+and a scenario's ratio is the median of its rounds' ratios. The CPU time
+the server spent per request (gunicorn's workers plus a PostgreSQL on this
+machine) is reported too: stolen time does not count in it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import secrets
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +58,7 @@ class Options:
     connections: int
     threads: int
     front: str = ""  # "nginx": load through deploy/nginx in front of gunicorn
+    rounds: int = 3
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,12 @@ class Result:
     p50_ms: float
     p99_ms: float
     errors: int
+    cpu_seconds: float = 0.0  # the server's CPU time over the measured run
+    round: int = 1
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.cpu_seconds / self.requests if self.requests else 0.0
 
     @property
     def rps(self) -> float:
@@ -135,6 +150,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_cpu(pid: int) -> float:
+    """User plus system CPU seconds of one process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+
+
+def server_cpu(master_pid: int) -> float:
+    """CPU seconds so far of gunicorn's workers and of any PostgreSQL on this machine.
+
+    Linux only (``/proc``); elsewhere 0. PostgreSQL's processes are found by
+    name, so a database on another host is not counted.
+    """
+    try:
+        children = Path(f"/proc/{master_pid}/task/{master_pid}/children").read_text().split()
+    except OSError:
+        return 0.0
+    pids = {int(pid) for pid in children}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.add(int(entry.name))
+            except OSError:
+                pass
+    return sum(_process_cpu(pid) for pid in pids)
 
 
 @dataclass(frozen=True)
@@ -237,7 +285,7 @@ def wrk(url: str, load: Load, seconds: float, options: Options, workdir: Path) -
 
 
 def run_scenarios(
-    db: str, db_url: str, names: list[str], options: Options, workdir: Path
+    db: str, db_url: str, names: list[str], options: Options, workdir: Path, n_round: int = 1
 ) -> list[Result]:
     config_path = workdir / f"config-{db}.toml"
     context = Context(db=db, workdir=workdir, run_id=secrets.token_hex(4))
@@ -260,7 +308,9 @@ def run_scenarios(
             load = scenario.prepare(context)
             if options.warmup > 0:
                 wrk(url, load, options.warmup, options, workdir)
+            cpu_before = server_cpu(served.pid)
             summary = wrk(url, load, options.duration, options, workdir)
+            cpu_seconds = server_cpu(served.pid) - cpu_before
         errors = sum(summary[k] for k in ("connect", "read", "write", "status", "timeout"))
         result = Result(
             scenario=name,
@@ -270,28 +320,54 @@ def run_scenarios(
             p50_ms=summary["p50_us"] / 1000,
             p99_ms=summary["p99_us"] / 1000,
             errors=errors,
+            cpu_seconds=cpu_seconds,
+            round=n_round,
         )
         print(
-            f"  {db:10} {name:14} {result.rps:8.0f} req/s  p50 {result.p50_ms:.1f} ms", flush=True
+            f"  round {n_round} {db:10} {name:18} {result.rps:8.0f} req/s  "
+            f"p50 {result.p50_ms:.1f} ms  CPU {result.cpu_ms_per_request:.2f} ms/request",
+            flush=True,
         )
         results.append(result)
     return results
 
 
 def table(results: list[Result]) -> list[str]:
-    """The results as Markdown table rows, with each row's ratio to its database's baseline."""
-    baseline = {r.db: r.rps for r in results if r.scenario == "baseline"}
+    """The results as Markdown table rows: medians over the rounds, ratios to the baseline.
+
+    A row's ratio is the median of its rounds' ratios, each against the
+    baseline run of the same round on the same database; so is its CPU ratio.
+    """
+    baseline = {(r.db, r.round): r for r in results if r.scenario == "baseline"}
     rows = [
-        "| scenario | db | requests/s | p50 ms | p99 ms | errors | vs baseline |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| scenario | db | requests/s | p50 ms | p99 ms | errors | vs baseline "
+        "| CPU ms/request | CPU vs baseline |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    groups: dict[tuple[str, str], list[Result]] = {}
     for r in results:
-        ratio = f"{r.rps / baseline[r.db]:.2f}" if baseline.get(r.db) else "-"
+        groups.setdefault((r.scenario, r.db), []).append(r)
+    for (scenario, db), runs in groups.items():
+        ratios, cpu_ratios = [], []
+        for r in runs:
+            base = baseline.get((db, r.round))
+            if base and base.rps:
+                ratios.append(r.rps / base.rps)
+            if base and r.cpu_ms_per_request and base.cpu_ms_per_request:
+                cpu_ratios.append(r.cpu_ms_per_request / base.cpu_ms_per_request)
+        cpu = statistics.median(r.cpu_ms_per_request for r in runs)
         rows.append(
-            f"| {r.scenario} | {r.db} | {r.rps:.0f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
-            f"| {r.errors} | {ratio} |"
+            f"| {scenario} | {db} | {statistics.median(r.rps for r in runs):.0f} "
+            f"| {statistics.median(r.p50_ms for r in runs):.1f} "
+            f"| {statistics.median(r.p99_ms for r in runs):.1f} "
+            f"| {sum(r.errors for r in runs)} "
+            f"| {_median(ratios)} | {f'{cpu:.2f}' if cpu else '-'} | {_median(cpu_ratios)} |"
         )
     return rows
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}" if values else "-"
 
 
 def describe(options: Options, pg_url: str | None) -> list[str]:
@@ -307,7 +383,8 @@ def describe(options: Options, pg_url: str | None) -> list[str]:
         + (", behind nginx (deploy/nginx/; baseline direct)" if options.front else ""),
         f"- load: {(wrk_version.splitlines() or ['wrk'])[0].split(' [')[0]}, "
         f"{options.threads} thread(s), {options.connections} connections, "
-        f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario",
+        f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario, "
+        f"{options.rounds} round(s), each with its own baseline run; medians over the rounds",
         "- PostgreSQL: "
         + (f"a fresh database on the server at {_host(pg_url)}" if pg_url else "skipped"),
         "- SQLite: a fresh file on disk, WAL, synchronous=FULL",
@@ -328,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="gunicorn sync workers")
     parser.add_argument("--connections", type=int, default=4, help="wrk connections")
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of every scenario, each with its baseline"
+    )
     parser.add_argument("--db", default="sqlite,postgresql", help="comma-separated databases")
     parser.add_argument(
         "--scenario", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}"
@@ -357,7 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     if "baseline" in SCENARIOS and "baseline" not in names:
         names.insert(0, "baseline")  # every ratio needs its baseline
     options = Options(
-        args.duration, args.warmup, args.workers, args.connections, args.threads, args.front
+        args.duration,
+        args.warmup,
+        args.workers,
+        args.connections,
+        args.threads,
+        args.front,
+        max(1, args.rounds),
     )
     dbs = [d for d in args.db.split(",") if d]
     if "postgresql" in dbs and not args.pg_url:
@@ -370,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         for db in dbs:
             make = sqlite_database(workdir) if db == "sqlite" else postgresql_database(args.pg_url)
             with make as db_url:
-                results += run_scenarios(db, db_url, names, options, workdir)
+                for n_round in range(1, options.rounds + 1):
+                    results += run_scenarios(db, db_url, names, options, workdir, n_round)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
