@@ -6,11 +6,17 @@ gunicorn, Flask's routing, one pooled connection, one ``INSERT ... ON
 CONFLICT DO NOTHING`` into the same ``events`` table with the same indexes,
 and one commit with the same durability settings. Served by gunicorn exactly
 like ``wsgi:app``; the database URL comes from ``BENCH_DATABASE_URL``.
+
+``/floor/api-unique`` is the same bare view sending the statements of a new
+Idempotency-Key and nothing else: a lone read of the key's record, then one
+transaction with the event's INSERT and the record's INSERT with its saved
+answer. It shows what the statements alone cost, whatever code sends them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from datetime import UTC, datetime
 
 from flask import Flask, Response, request
@@ -26,6 +32,25 @@ _INSERT = text(
     " '[]', '{}', :now, 0)"
     " ON CONFLICT (source, dedup_key) DO NOTHING"
 )
+
+
+_FIND_RECORD = text(
+    "SELECT id, state, fingerprint, lease_expires_at, expires_at, response_status,"
+    " response_headers, response_body FROM idempotency_records"
+    " WHERE client = 'bench' AND key = :key"
+)
+_INSERT_RECORD = text(
+    "INSERT INTO idempotency_records (client, key, fingerprint, method, path, state,"
+    " created_at, expires_at, completed_at, response_status, response_headers, response_body)"
+    " VALUES ('bench', :key, :fp, 'POST', '/floor/api-unique', 'completed', :now, :now, :now,"
+    " 201, '[]', :body)"
+    " ON CONFLICT (client, key) DO NOTHING RETURNING id"
+)
+
+
+def _driver_sql(sql: str, dialect: str) -> str:
+    # sqlite3 takes :name as it is; psycopg wants %(name)s.
+    return sql if dialect == "sqlite" else re.sub(r"(?<!\w):(\w+)", r"%(\1)s", sql)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -45,6 +70,10 @@ def create_app() -> Flask:
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     app = Flask(__name__)
+    postgresql = engine.dialect.name == "postgresql"
+    floor_sql = [
+        _driver_sql(str(t), engine.dialect.name) for t in (_FIND_RECORD, _INSERT, _INSERT_RECORD)
+    ]
 
     @app.post("/baseline")
     def insert() -> Response:
@@ -61,6 +90,34 @@ def create_app() -> Flask:
                     "now": datetime.now(UTC).replace(tzinfo=None),
                 },
             )
+        return Response('{"ok":true}', status=201, mimetype="application/json")
+
+    @app.post("/floor/api-unique")
+    def floor_api_unique() -> Response:
+        """A new Idempotency-Key's statements: the key's read, then the event and its record."""
+        body = request.get_data()
+        values = {
+            "key": request.headers["Idempotency-Key"],
+            "fp": "0" * 64,
+            "body": body,
+            "now": datetime.now(UTC).replace(tzinfo=None),
+        }
+        # Straight on the driver, the cheapest way to send them.
+        pooled = engine.raw_connection()
+        try:
+            driver = pooled.driver_connection
+            if postgresql:
+                driver.autocommit = True  # a lone read: no BEGIN, no COMMIT
+            cursor = driver.cursor()
+            cursor.execute(floor_sql[0], values).fetchone()
+            if postgresql:
+                driver.autocommit = False
+            cursor.execute(floor_sql[1], values)  # the driver begins the transaction
+            cursor.execute(floor_sql[2], values).fetchone()
+            pooled.commit()
+            cursor.close()
+        finally:
+            pooled.close()
         return Response('{"ok":true}', status=201, mimetype="application/json")
 
     return app

@@ -128,6 +128,13 @@ def api_unique(ctx: Context) -> Load:
     return Load("unique.lua", [ctx.template("POST", "/api/events", headers, EVENT_BODY), RUN_ID])
 
 
+def floor_api_unique(ctx: Context) -> Load:
+    headers = {"Content-Type": "application/json", "Idempotency-Key": KEY_PLACEHOLDER}
+    return Load(
+        "unique.lua", [ctx.template("POST", "/floor/api-unique", headers, EVENT_BODY), RUN_ID]
+    )
+
+
 REPLAY_KEYS = 200
 
 
@@ -237,6 +244,12 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "api-unique": Scenario(
         "wsgi:app", api_unique, "POST /api/events, a new Idempotency-Key on every request"
+    ),
+    "floor-api-unique": Scenario(
+        "bench.baseline_app:app",
+        floor_api_unique,
+        "bare Flask view with a new key's statements only: the key's read, then one "
+        "transaction with the event's and the record's INSERTs",
     ),
     "api-replay": Scenario(
         "wsgi:app", api_replay, f"POST /api/events replaying {REPLAY_KEYS} stored keys"
