@@ -231,23 +231,12 @@ def new_event(key: str) -> dict:
 def test_a_refused_begin_is_sqlalchemys_error_and_the_session_recovers(sqlite_app):
     """The BEGIN sent on the driver fails as SQLAlchemy's error, not sqlite3's, and rolls back."""
     with sqlite_app.app_context():
-        engine = db.engine
-        with engine.connect() as conn:
+        with db.engine.connect() as conn:
             # A transaction the connection's owner did not close: the next BEGIN is refused.
             conn.connection.driver_connection.execute("BEGIN")
             with pytest.raises(OperationalError, match="within a transaction"):
                 conn.begin()
         # The pool's reset rolled that connection back: a unit of work still commits.
         with database.unit_of_work():
-            db.session.add(
-                Event(
-                    source="turns",
-                    dedup_key="after-refused-begin",
-                    fingerprint="f" * 64,
-                    body=b"{}",
-                    headers=[],
-                    meta={},
-                    received_at=datetime.now(UTC),
-                )
-            )
-        assert db.session.scalar(select(func.count()).select_from(Event)) == 1
+            db.session.add(Event(**new_event("evt_after_refused_begin")))
+    assert events(sqlite_app) == 1
