@@ -15,7 +15,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
@@ -82,12 +82,43 @@ def _on_sqlite_begin(connection: Connection) -> None:
     # Straight on the driver: through exec_driver_sql, SQLAlchemy's
     # execution machinery tripled what a unit of work's session costs
     # (about 90 µs of CPU per transaction).
-    driver = connection.connection.driver_connection
+    with driver_errors(connection.engine, lambda: connection):
+        connection.connection.driver_connection.execute("BEGIN")  # type: ignore[union-attr]
+
+
+@contextmanager
+def driver_errors(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
+    """Raise the driver's errors as SQLAlchemy's; on a disconnect, drop ``owner()``'s connection.
+
+    Around statements sent on the driver itself, past SQLAlchemy's execution
+    (SQLite's BEGIN, inbox.driver's cursors), so that they fail as any
+    other statement would. ``owner()`` is a pooled connection or a Connection (None before one is
+    had): what SQLAlchemy would invalidate.
+    """
+    dialect = engine.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
     try:
-        driver.execute("BEGIN")  # type: ignore[union-attr]
-    except sqlite3.Error as exc:
+        yield
+    except dbapi_error as exc:
+        held = owner()
+        driver = None
+        if held is not None:
+            pooled = held.connection if isinstance(held, Connection) else held
+            driver = pooled.dbapi_connection
+        invalidated = driver is not None and dialect.is_disconnect(exc, driver, None)
+        if invalidated:
+            # As SQLAlchemy does on a disconnect: the other pooled
+            # connections went with the server, so the pool is replaced.
+            held.invalidate(exc)
+            engine.dispose(close=False)
         raise DBAPIError.instance(
-            "BEGIN", None, exc, sqlite3.Error, dialect=connection.dialect
+            "",
+            None,
+            exc,
+            dbapi_error,
+            hide_parameters=True,
+            connection_invalidated=invalidated,
+            dialect=dialect,
         ) from exc
 
 

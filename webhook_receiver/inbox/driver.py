@@ -12,12 +12,13 @@ here equals the row the plain Core path stores.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+
+from ..database import driver_errors
 
 
 class FastPathError(TypeError):
@@ -90,7 +91,7 @@ def driver_cursor(engine: Engine) -> Iterator[Any]:
     postgresql = engine.dialect.name == "postgresql"
     pooled = None
     try:
-        with _errors_as_sqlalchemys(engine, lambda: pooled):
+        with driver_errors(engine, lambda: pooled):
             pooled = engine.raw_connection()  # a refused connection raises here too
             driver = pooled.driver_connection
             if postgresql:
@@ -117,43 +118,9 @@ def transaction_cursor(connection: Connection) -> Iterator[Any]:
     would cost more than the statement; errors come out as SQLAlchemy's,
     as from ``driver_cursor``.
     """
-    with _errors_as_sqlalchemys(connection.engine, lambda: connection):
+    with driver_errors(connection.engine, lambda: connection):
         cursor = connection.connection.cursor()
         try:
             yield cursor
         finally:
             cursor.close()
-
-
-@contextmanager
-def _errors_as_sqlalchemys(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
-    """Raise the driver's errors as SQLAlchemy's; on a disconnect, drop ``owner()``'s connection.
-
-    ``owner()`` is a pooled connection or a Connection (None before one is
-    had): what SQLAlchemy would invalidate.
-    """
-    dialect = engine.dialect
-    dbapi_error = dialect.loaded_dbapi.Error
-    try:
-        yield
-    except dbapi_error as exc:
-        held = owner()
-        driver = None
-        if held is not None:
-            pooled = held.connection if isinstance(held, Connection) else held
-            driver = pooled.dbapi_connection
-        invalidated = driver is not None and dialect.is_disconnect(exc, driver, None)
-        if invalidated:
-            # As SQLAlchemy does on a disconnect: the other pooled
-            # connections went with the server, so the pool is replaced.
-            held.invalidate(exc)
-            engine.dispose(close=False)
-        raise DBAPIError.instance(
-            "",
-            None,
-            exc,
-            dbapi_error,
-            hide_parameters=True,
-            connection_invalidated=invalidated,
-            dialect=dialect,
-        ) from exc
