@@ -59,8 +59,13 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # late and breaks SAVEPOINT); see _on_sqlite_begin.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # The busy timeout first, so that nothing below fails at once on a lock.
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    # WAL is a property of the file: asked for only when the file lacks it,
+    # since switching needs a lock that another process's first connection
+    # may hold (a worker's first request failed "database is locked").
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     # An acknowledged delivery must survive power loss, not only a crash:
     # NORMAL would be faster in WAL mode but may lose the last commits.
