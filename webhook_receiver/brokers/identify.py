@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import String
 
@@ -38,19 +38,24 @@ class Unidentified(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """One message as its broker handed it over, before identification."""
+_NONE: Mapping[str, Any] = MappingProxyType({})
+
+
+class Delivery(NamedTuple):
+    """One message as its broker handed it over, before identification.
+
+    A NamedTuple, as the inbox's Message: immutable and cheap to build.
+    """
 
     body: bytes
     content_type: str | None = None
     # The AMQP headers table or the NATS headers, values as text.
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = _NONE
     # The AMQP basic properties the producer set (none for NATS).
-    properties: Mapping[str, str] = field(default_factory=dict)
+    properties: Mapping[str, str] = _NONE
     subject: str | None = None
     # Where it came from: exchange and routing key, or subject and stream.
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = _NONE
 
 
 def _length(name: str) -> int:
@@ -92,9 +97,7 @@ def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
         body=delivery.body,
         event_type=event_type,
         content_type=delivery.content_type or None,
-        headers=tuple(
-            (name, _clean(value)) for name, value in events.redact_headers(delivery.headers.items())
-        ),
+        headers=_headers(delivery.headers),
         meta=_clean_meta(delivery),
         correlation_id=_correlation_id(delivery),
     )
@@ -125,6 +128,8 @@ def _read(spec: tuple[str, str], delivery: Delivery, parsed: Any) -> str | None:
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
+    if not headers:
+        return None
     if name in headers:
         return headers[name]
     lowered = name.lower()
@@ -156,6 +161,12 @@ def _correlation_id(delivery: Delivery) -> str | None:
     return value[:200]
 
 
+def _headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    if not headers:
+        return ()
+    return tuple((name, _clean(value)) for name, value in events.redact_headers(headers.items()))
+
+
 def _clean(value: str) -> str:
     # Stored as JSON: PostgreSQL's jsonb holds no NUL character.
     return value.replace("\x00", "\ufffd")
@@ -176,11 +187,19 @@ def _holds_nul(value: Any) -> bool:
     if isinstance(value, str):
         return "\x00" in value
     if isinstance(value, dict):
-        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+        return _any_nul(value.keys()) or _any_nul(value.values())
     if isinstance(value, list | tuple):
-        return any(_holds_nul(item) for item in value)
+        return _any_nul(value)
     # Anything else is serialised by str() (json.dumps' default above).
     return not isinstance(value, int | float | None) and "\x00" in str(value)
+
+
+def _any_nul(items: Iterable[Any]) -> bool:
+    # Strings, nearly all of a meta, are looked at here rather than in a call each.
+    for item in items:
+        if ("\x00" in item) if type(item) is str else _holds_nul(item):
+            return True
+    return False
 
 
 def text_of(value: Any) -> str:

@@ -37,6 +37,8 @@ BATCH_WAIT_SECONDS = 0.05
 IDLE_WAIT_SECONDS = 0.25
 _NOT_FOUND = 404
 _CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
+# Stored with the event; the content type has its own column.
+_STORED_PROPERTIES = AMQP_PROPERTIES - {"content_type"}
 
 
 class RabbitConsumer(batch.Consumer):
@@ -191,12 +193,13 @@ class RabbitConsumer(batch.Consumer):
         return True
 
     def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
+        # pika's BasicProperties holds every property as an attribute, None when unset.
         properties = {
-            name: text_of(value)
-            for name in AMQP_PROPERTIES
-            if name not in ("content_type",) and (value := getattr(props, name, None)) is not None
+            name: value if type(value) is str else text_of(value)
+            for name, value in vars(props).items()
+            if value is not None and name in _STORED_PROPERTIES
         }
-        headers = {str(k): text_of(v) for k, v in (props.headers or {}).items()}
+        headers = {str(k): text_of(v) for k, v in props.headers.items()} if props.headers else {}
         return Delivery(
             body=body,
             content_type=props.content_type,

