@@ -6,6 +6,11 @@ second. The *bare* loop is the same consumer (same connection, prefetch or
 fetch, acks) with a unit of work that stores nothing: what the broker and
 the client library cost on this machine. ``vs bare`` is the ratio.
 
+Each case runs in rounds (``--rounds``, 3 by default), each round with its
+own bare loop just before it; a row gives the median rate, the range over
+the rounds, and the median of the rounds' ratios. On a machine whose CPU is
+shared, a single run's ratio says more about the minute than the code.
+
     .venv/bin/python -m bench.brokers                    # both brokers, both databases
     .venv/bin/python -m bench.brokers --broker rabbitmq --db postgresql --count 20000
     .venv/bin/python -m bench.brokers --curve            # batch sizes 1, 10, 100, 500
@@ -21,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import statistics
 import sys
 import tempfile
 import threading
@@ -45,17 +51,25 @@ SOURCE = "bench"
 
 @dataclass
 class Row:
+    """One scenario at one batch size: medians over its rounds."""
+
     broker: str
     db: str
     scenario: str
     batch: int
     count: int
-    seconds: float
-    bare_rate: float | None = None
+    # Messages per second, one per round.
+    rates: list[float]
+    # The same round's rate over its bare loop's (none for the bare loop).
+    ratios: list[float] | None = None
 
     @property
     def rate(self) -> float:
-        return self.count / self.seconds
+        return statistics.median(self.rates)
+
+    @property
+    def ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
 
 
 def _body(key: str, n: int) -> bytes:
@@ -170,10 +184,15 @@ def _nats(fn: Callable[[Any], Any]) -> Any:
 # -- one run ------------------------------------------------------------------------
 
 
-def _bare(source: Any, deliveries: list[Any]) -> list[Any]:
-    from webhook_receiver.brokers.batch import ACK, Verdict
+def _bare_prepare(source: Any, deliveries: list[Any]) -> Any:
+    from webhook_receiver.brokers.batch import ACK, Prepared, Verdict
 
-    return [Verdict(ACK)] * len(deliveries)
+    # Nothing identified: every message is already an ack.
+    return Prepared([], [Verdict(ACK)] * len(deliveries))
+
+
+def _bare_store(source: Any, prepared: Any) -> list[Any]:
+    return list(prepared.verdicts)
 
 
 def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
@@ -183,7 +202,8 @@ def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
     stop = threading.Event()
     consumer = runner.consumer_for(app, app.config["FILE_CONFIG"].brokers[SOURCE], stop)
     if bare:
-        consumer.store = _bare  # type: ignore[attr-defined]
+        consumer.prepare = _bare_prepare  # type: ignore[attr-defined]
+        consumer.store = _bare_store  # type: ignore[attr-defined]
     thread = threading.Thread(target=consumer.run)
     started = time.perf_counter()
     thread.start()
@@ -231,66 +251,81 @@ def make_app(db_url: str, table: dict[str, Any]) -> Any:
     return app
 
 
-def run_broker(broker: str, db: str, db_url: str, count: int, batches: list[int]) -> list[Row]:
+def run_broker(
+    broker: str, db: str, db_url: str, count: int, batches: list[int], rounds: int
+) -> list[Row]:
     rows: list[Row] = []
     for size in batches:
         n = count if size >= 10 else max(500, count // 20)
-        if broker == "rabbitmq":
-            queue = RabbitQueue()
-            try:
-                table = {
-                    "provider": "rabbitmq",
-                    "url": RABBIT_URL,
-                    "queue": queue.name,
-                    "prefetch": size,
-                }
-                app = make_app(db_url, table)
-                queue.fill(n)
-                bare = consume(app, n, bare=True)
-                queue.fill(n)
-                unique = consume(app, n, bare=False)
-                queue.fill(n)  # the same messages again: every one a redelivery
-                again = consume(app, n, bare=False)
-            finally:
-                queue.delete()
-        else:
-            stream = NatsStream()
-            try:
-                stream.fill(n)
-                times = []
-                for durable, is_bare in (("bare", True), ("unique", False), ("again", False)):
-                    stream.consumer(durable, size)
-                    table = {
-                        "provider": "nats",
-                        "url": NATS_URL,
-                        "stream": stream.name,
-                        "durable": durable,
-                        "batch": size,
-                    }
-                    app = make_app(db_url, table)
-                    times.append(consume(app, n, bare=is_bare))
-                bare, unique, again = times
-            finally:
-                stream.delete()
-        bare_rate = n / bare
-        rows.append(Row(broker, db, "bare", size, n, bare))
-        rows.append(Row(broker, db, "unique", size, n, unique, bare_rate))
-        rows.append(Row(broker, db, "redeliveries", size, n, again, bare_rate))
-        print(_line(rows[-3]), _line(rows[-2]), _line(rows[-1]), sep="\n", flush=True)
+        rates: dict[str, list[float]] = {"bare": [], "unique": [], "redeliveries": []}
+        for _ in range(rounds):
+            # Each round its own bare loop, just before the runs it is compared with.
+            bare, unique, again = _round(broker, db_url, n, size)
+            rates["bare"].append(n / bare)
+            rates["unique"].append(n / unique)
+            rates["redeliveries"].append(n / again)
+        for scenario, measured in rates.items():
+            ratios = None
+            if scenario != "bare":
+                ratios = [rate / base for rate, base in zip(measured, rates["bare"], strict=True)]
+            rows.append(Row(broker, db, scenario, size, n, measured, ratios))
+        print(*map(_line, rows[-3:]), sep="\n", flush=True)
     return rows
 
 
+def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, float]:
+    """Seconds for the bare loop, n unique messages, and the same n again (redeliveries)."""
+    if broker == "rabbitmq":
+        queue = RabbitQueue()
+        try:
+            table = {
+                "provider": "rabbitmq",
+                "url": RABBIT_URL,
+                "queue": queue.name,
+                "prefetch": size,
+            }
+            app = make_app(db_url, table)
+            queue.fill(n)
+            bare = consume(app, n, bare=True)
+            queue.fill(n)
+            unique = consume(app, n, bare=False)
+            queue.fill(n)  # the same messages again: every one a redelivery
+            again = consume(app, n, bare=False)
+        finally:
+            queue.delete()
+        return bare, unique, again
+    stream = NatsStream()
+    try:
+        stream.fill(n)
+        times = []
+        for durable, is_bare in (("bare", True), ("unique", False), ("again", False)):
+            stream.consumer(durable, size)
+            table = {
+                "provider": "nats",
+                "url": NATS_URL,
+                "stream": stream.name,
+                "durable": durable,
+                "batch": size,
+            }
+            app = make_app(db_url, table)
+            times.append(consume(app, n, bare=is_bare))
+    finally:
+        stream.delete()
+    return times[0], times[1], times[2]
+
+
 def _line(row: Row) -> str:
-    ratio = f"{row.rate / row.bare_rate:.2f}" if row.bare_rate else ""
+    ratio = f"{row.ratio:.2f}" if row.ratio is not None else ""
+    spread = f"{min(row.rates):,.0f}-{max(row.rates):,.0f}"
     return (
         f"| {row.broker} | {row.db} | {row.scenario} | {row.batch} | {row.count} | "
-        f"{row.rate:,.0f} | {ratio} |"
+        f"{row.rate:,.0f} | {spread} | {ratio} |"
     )
 
 
 HEADER = [
-    "| broker | database | scenario | batch | messages | messages/s | vs bare |",
-    "|---|---|---|---|---|---|---|",
+    "| broker | database | scenario | batch | messages | messages/s | range | vs bare |",
+    "|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -317,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20000, help="messages per run")
     parser.add_argument("--batch", type=int, default=200, help="prefetch / fetch batch size")
     parser.add_argument("--curve", action="store_true", help="batch sizes 1, 10, 100 and 500")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of each case, each with its own bare loop"
+    )
     args = parser.parse_args(argv)
     # The inbox logs a line per message at INFO; measured at WARNING (see bench/README.md).
     logging.basicConfig(level=logging.WARNING)
@@ -334,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 with ExitStack() as stack:
                     url = stack.enter_context(database(db, Path(tmp)))
                     stack.callback(close_apps)
-                    rows += run_broker(broker, db, url, args.count, batches)
+                    rows += run_broker(broker, db, url, args.count, batches, max(1, args.rounds))
     out = RESULTS / f"brokers-{time.strftime('%Y%m%d-%H%M%S')}.md"
     out.write_text("\n".join([*HEADER, *map(_line, rows)]) + "\n")
     print(f"written to {out}", file=sys.stderr)

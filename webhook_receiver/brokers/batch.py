@@ -1,5 +1,7 @@
 """One batch of broker messages: identified, stored in one transaction, then a verdict each.
 
+:func:`prepare` identifies the batch (CPU only, so a consumer prepares the
+next batch while the database stores this one); :func:`store` stores it.
 The consumers settle each message by its verdict only after
 :func:`store` has returned, which is after the inbox's commit: a new
 message and a same-content duplicate are acknowledged; a conflict (kept
@@ -58,11 +60,21 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
-def store(source: BrokerSourceConfig, deliveries: Sequence[Delivery]) -> list[Verdict]:
-    """Store a batch in one transaction and return a verdict per message (needs an app context).
+class Prepared(NamedTuple):
+    """A batch identified and ready to store; nothing of it is in the database yet."""
 
-    Raises DatabaseUnavailable, with nothing committed, when the database
-    is away or locked.
+    # The messages to store, in the batch's order.
+    messages: list[Message]
+    # Per delivery: None for the next of ``messages``, or the verdict of
+    # one that cannot be stored (dead-lettered with its reason).
+    verdicts: list[Verdict | None]
+
+
+def prepare(source: BrokerSourceConfig, deliveries: Sequence[Delivery]) -> Prepared:
+    """Identify each delivery of a batch: CPU only, no database.
+
+    A consumer prepares a batch while the one before it is being stored,
+    so that the two overlap.
     """
     verdicts: list[Verdict | None] = []
     messages: list[Message] = []
@@ -72,6 +84,16 @@ def store(source: BrokerSourceConfig, deliveries: Sequence[Delivery]) -> list[Ve
             verdicts.append(None)
         except Unidentified as exc:
             verdicts.append(Verdict(DEAD_LETTER, exc.reason, exc.detail))
+    return Prepared(messages, verdicts)
+
+
+def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
+    """Store a prepared batch in one transaction; a verdict per delivery (needs an app context).
+
+    Raises DatabaseUnavailable, with nothing committed, when the database
+    is away or locked.
+    """
+    messages, verdicts = prepared
     outcomes: Sequence[Outcome | Verdict]
     try:
         outcomes = inbox.receive_many(messages)
@@ -125,14 +147,16 @@ def _count(source: str, verdicts: list[Verdict]) -> None:
 
 
 class Consumer:
-    """What every broker consumer holds: its app, source, stop signal, outage log and store."""
+    """What every broker consumer holds: its app, source, stop signal, outage log, unit of work."""
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         self.app = app
         self.source = source
         self.stop = stop
         self.outage = Outage(source.name)
-        # The unit of work; the benchmark's bare loop puts one that stores nothing.
-        self.store: Callable[[BrokerSourceConfig, list[Delivery]], list[Verdict]] = store
+        # The unit of work, in two steps; the benchmark's bare loop puts
+        # steps that identify and store nothing.
+        self.prepare: Callable[[BrokerSourceConfig, list[Delivery]], Prepared] = prepare
+        self.store: Callable[[BrokerSourceConfig, Prepared], list[Verdict]] = store
         # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
         self.settled = 0

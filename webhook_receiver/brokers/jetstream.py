@@ -179,8 +179,9 @@ class JetStreamConsumer(batch.Consumer):
         self.settled += len(messages)
 
     def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
+        prepared = self.prepare(self.source, deliveries)
         with self.app.app_context():
-            return self.store(self.source, deliveries)
+            return self.store(self.source, prepared)
 
     async def _dead_letter(self, js: Any, message: Any, verdict: batch.Verdict) -> bool:
         """Publish a copy to dead_letter_subject (if set); False when that failed."""

@@ -2,9 +2,10 @@
 
 A batch is at most ``prefetch`` messages: what arrived by the time it is
 full or a short wait has passed. The inbox stores it in one transaction,
-in a second thread, while the next batch arrives (``basic_qos`` allows two
-batches out unacknowledged); then a run of messages to acknowledge is one ``basic_ack``
-with ``multiple=True``, and a message to dead-letter a
+in a second thread, while this one prepares the next batch and a third
+arrives (``basic_qos`` allows three batches out unacknowledged); then a run
+of messages to acknowledge is one ``basic_ack`` with ``multiple=True``, and
+a message to dead-letter a
 ``basic_nack(requeue=False)`` (the queue's dead-letter exchange gets it,
 unchanged). The database away: the batch is nacked with requeue and the
 consumer backs off. The broker away: reconnect with backoff; what was not
@@ -37,6 +38,8 @@ BATCH_WAIT_SECONDS = 0.05
 IDLE_WAIT_SECONDS = 0.25
 _NOT_FOUND = 404
 _CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
+# A message as pika hands it over: its method frame, properties and body.
+Raw = tuple[Any, Any, bytes]
 # Stored with the event; the content type has its own column.
 _STORED_PROPERTIES = AMQP_PROPERTIES - {"content_type"}
 
@@ -70,9 +73,9 @@ class RabbitConsumer(batch.Consumer):
         try:
             channel = connection.channel()
             self._check_queue(channel)
-            # Room for the batch being stored and the next one arriving.
-            channel.basic_qos(prefetch_count=min(2 * self.source.batch, 65535))
-            pending: list[tuple[Any, Any, bytes]] = []
+            # Room for a batch being stored, one prepared and one arriving.
+            channel.basic_qos(prefetch_count=min(3 * self.source.batch, 65535))
+            pending: list[Raw] = []
             self._cancelled = False
             channel.add_on_cancel_callback(lambda _frame: self._on_cancel())
             channel.basic_consume(
@@ -112,33 +115,54 @@ class RabbitConsumer(batch.Consumer):
                 ) from exc
             raise
 
-    def _loop(self, connection: Any, channel: Any, pending: list[tuple[Any, Any, bytes]]) -> None:
-        # One batch is stored in a second thread while the next one arrives
-        # (the QoS allows two batches out); batches are settled one at a
-        # time, in order, on this thread, which owns the channel. So an ack
-        # with multiple=True never reaches a message of a later batch.
+    def _loop(self, connection: Any, channel: Any, pending: list[Raw]) -> None:
+        # Three stages overlap: this thread receives a batch and prepares it
+        # (identifies its messages) while a second thread stores the batch
+        # before it; the QoS lets a third arrive meanwhile. Batches are
+        # stored and settled one at a time, in order, on this thread, which
+        # owns the channel: an ack with multiple=True never reaches a
+        # message of a later batch.
         first_at: float | None = None
-        inflight: tuple[list[tuple[Any, Any, bytes]], Future[list[batch.Verdict]]] | None = None
+        inflight: tuple[list[Raw], Future[list[batch.Verdict]]] | None = None
+        ready: tuple[list[Raw], batch.Prepared] | None = None
         with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
             while not self._cancelled:
                 stopping = self.stop.is_set()
                 if inflight is not None and inflight[1].done():
                     taken, future = inflight
                     inflight = None
-                    if not self._settle(connection, channel, taken, future, pending):
-                        first_at = None
+                    behind = ready[0] if ready else []
+                    if not self._settle(connection, channel, taken, future, behind, pending):
+                        # Everything received was requeued, prepared or not.
+                        ready, first_at = None, None
                         continue
                 if stopping and inflight is None:
-                    return  # SIGTERM: the batch in hand is committed and settled
+                    # SIGTERM: the batch stored is settled; what was only
+                    # received or prepared goes back with the channel.
+                    return
+                if inflight is None and ready is not None and not stopping:
+                    taken, prepared = ready
+                    ready = None
+                    started = threading.Event()
+                    inflight = (taken, pool.submit(self._store, prepared, started))
+                    # The storing thread goes first: its statement is on its
+                    # way before this thread holds the GIL for the next
+                    # batch's Python (otherwise the statement waits for the
+                    # interpreter's switch interval, 5 ms).
+                    started.wait(BATCH_WAIT_SECONDS)
+                    continue
                 if pending and first_at is None:
                     first_at = time.monotonic()
                 full = len(pending) >= self.source.batch
                 waited = first_at is not None and time.monotonic() - first_at >= BATCH_WAIT_SECONDS
-                if inflight is None and pending and (full or waited) and not stopping:
+                if ready is None and pending and (full or waited) and not stopping:
                     taken = pending[: self.source.batch]
                     del pending[: self.source.batch]
                     first_at = time.monotonic() if pending else None
-                    inflight = (taken, pool.submit(self._store, taken))
+                    deliveries = [
+                        self._delivery(method, props, body) for method, props, body in taken
+                    ]
+                    ready = (taken, self.prepare(self.source, deliveries))
                     continue
                 if inflight is not None:
                     timeout = 0.002
@@ -148,18 +172,19 @@ class RabbitConsumer(batch.Consumer):
                     timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
                 connection.process_data_events(time_limit=timeout)
 
-    def _store(self, taken: list[tuple[Any, Any, bytes]]) -> list[batch.Verdict]:
-        deliveries = [self._delivery(method, props, body) for method, props, body in taken]
+    def _store(self, prepared: batch.Prepared, started: threading.Event) -> list[batch.Verdict]:
+        started.set()
         with self.app.app_context():
-            return self.store(self.source, deliveries)
+            return self.store(self.source, prepared)
 
     def _settle(
         self,
         connection: Any,
         channel: Any,
-        taken: list[tuple[Any, Any, bytes]],
+        taken: list[Raw],
         future: Future[list[batch.Verdict]],
-        pending: list[tuple[Any, Any, bytes]],
+        prepared: list[Raw],
+        pending: list[Raw],
     ) -> bool:
         """Settle a stored batch; False when the database was away (everything requeued)."""
         try:
@@ -167,8 +192,9 @@ class RabbitConsumer(batch.Consumer):
         except batch.DatabaseUnavailable as exc:
             # Nothing committed, so nothing is settled as done: the broker
             # gets back the batch and what arrived behind it, and the
-            # consumer waits before taking more.
-            last = (pending or taken)[-1][0].delivery_tag
+            # consumer waits before taking more. What arrives during the
+            # wait lands in the emptied ``pending``, to be stored after it.
+            last = (pending or prepared or taken)[-1][0].delivery_tag
             pending.clear()
             channel.basic_nack(delivery_tag=last, multiple=True, requeue=True)
             delay = self.outage.failed("database", exc)

@@ -110,11 +110,10 @@ class Statements:
 class ColumnArrays:
     """PostgreSQL's batch: one statement, one array parameter per column, rows by ``unnest``.
 
-    One short statement whatever the batch's size, so psycopg prepares it
-    once on the server (a multi-row ``VALUES`` list is a new, long statement
-    for every batch size, parsed each time), and one round trip besides
-    ``plan_each_time``: it reads the keys already taken, inserts the new
-    events and their deliveries (the outbox), and returns both. The arrays
+    One short statement whatever the batch's size (a multi-row ``VALUES``
+    list is a new, long statement for every batch size), and one round
+    trip: it reads the keys already taken, inserts the new events and their
+    deliveries (the outbox), and returns both. The arrays
     go in binary (text format escapes every element) and their elements are
     converted by the columns' own types, as SQLAlchemy would convert them
     (the contract tests compare the rows with the plain Core path's).
@@ -140,11 +139,6 @@ class ColumnArrays:
             "SELECT id, source, dedup_key, NULL, true FROM inserted "
             "UNION ALL SELECT id, source, dedup_key, fingerprint, false FROM stored"
         )
-        # Run first in the batch's transaction: the statement is planned for
-        # each batch, with its arrays and the table as they are then. A plan
-        # cached early (psycopg prepares a statement on its fifth run) made
-        # batches of 100 five times slower as the table grew.
-        self.plan_each_time = "SET LOCAL plan_cache_mode = force_custom_plan"
         # The keys taken by a racing copy, read back with their fingerprints.
         self.find_sql = (
             f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "

@@ -104,10 +104,13 @@ def receive_many(
 
     New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
     RETURNING`` and their deliveries one more INSERT; on PostgreSQL both,
-    with the read of the keys already taken, are one statement. A key
+    with the read of the keys already taken, are one statement, which is
+    then the whole transaction (conflicts are kept in a second one). A key
     repeated inside the batch is settled against its first occurrence.
-    Raises the database's error (nothing committed) when it is away or
-    locked.
+    Raises the database's error when it is away or locked: nothing was
+    committed, or on PostgreSQL only the new events, when keeping a
+    conflict failed after them (sent again, they are duplicates, and the
+    conflict is found again).
 
     ``all_or_nothing``: a batch with a conflict stores none of its events;
     the conflicts with stored events are kept for review all the same, and
@@ -162,31 +165,74 @@ def _store_batch(
     all_or_nothing: bool,
     fast: bool,
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
-    write = _write_arrays if fast and statements.dialect_name == "postgresql" else _write_core
+    postgresql = fast and statements.dialect_name == "postgresql"
+    if postgresql and not all_or_nothing:
+        return _store_batch_in_one_statement(engine, statements, messages, first, rows, now)
     with transaction(engine) as conn:
-        new_ids, stored = write(conn, statements, messages, first, rows, now)
-        outcomes: list[Outcome] = []
-        conflicts: list[tuple[Message, int]] = []
-        for index, message in enumerate(messages):
-            key = (message.source, message.dedup_key)
-            if key in new_ids:
-                event_id = new_ids[key]
-                if first[key] == index:
-                    outcomes.append(Accepted(event_id))
-                    continue
-                reference = _Stored(event_id, messages[first[key]].fingerprint)
-            else:
-                reference = stored[key]
-            if reference.fingerprint == message.fingerprint:
-                outcomes.append(Duplicate(reference.id))
-            else:
-                outcomes.append(Conflict(reference.id))
-                conflicts.append((message, reference.id))
+        if postgresql:
+            with transaction_cursor(conn) as cursor:
+                new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+        else:
+            new_ids, stored = _write_core(conn, statements, messages, first, rows, now)
+        outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
         for message, event_id in conflicts:
             _keep_conflict(conn, statements, event_id, message, now)
     return outcomes, new_ids, conflicts
+
+
+def _store_batch_in_one_statement(
+    engine: Engine,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    """PostgreSQL: the new events and their deliveries are one statement, its own transaction.
+
+    One round trip where BEGIN, the statement and COMMIT were three, each a
+    wait for the consumer's storing thread to get the GIL back.
+    """
+    with driver_cursor(engine) as cursor:
+        new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+    outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
+    if conflicts:
+        # Kept for review once the events are committed. Should this fail,
+        # receive_many raises before any message is settled, and the
+        # redelivery finds the same conflict again.
+        with transaction(engine) as conn:
+            for message, event_id in conflicts:
+                _keep_conflict(conn, statements, event_id, message, now)
+    return outcomes, new_ids, conflicts
+
+
+def _settle_batch(
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    new_ids: dict[tuple[str, str], int],
+    stored: dict[tuple[str, str], _Stored],
+) -> tuple[list[Outcome], list[tuple[Message, int]]]:
+    """Each message's outcome, and the conflicts to keep, from what the writes found."""
+    outcomes: list[Outcome] = []
+    conflicts: list[tuple[Message, int]] = []
+    for index, message in enumerate(messages):
+        key = (message.source, message.dedup_key)
+        if key in new_ids:
+            event_id = new_ids[key]
+            if first[key] == index:
+                outcomes.append(Accepted(event_id))
+                continue
+            reference = _Stored(event_id, messages[first[key]].fingerprint)
+        else:
+            reference = stored[key]
+        if reference.fingerprint == message.fingerprint:
+            outcomes.append(Duplicate(reference.id))
+        else:
+            outcomes.append(Conflict(reference.id))
+            conflicts.append((message, reference.id))
+    return outcomes, conflicts
 
 
 # What a batch's writes found: the new events' ids, and the events already
@@ -225,7 +271,7 @@ def _write_core(
 
 
 def _write_arrays(
-    conn: Connection,
+    cursor: Any,
     statements: Statements,
     messages: Sequence[Message],
     first: dict[tuple[str, str], int],
@@ -237,10 +283,11 @@ def _write_arrays(
     wanted = _wanted_deliveries([messages[i] for i in first.values()], now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
-    conn.exec_driver_sql(arrays.plan_each_time)
-    for event_id, source, key, print_, is_new in conn.exec_driver_sql(
-        arrays.sql, arrays.params(rows, wanted)
-    ):
+    # Never prepared: planned for each batch, with its arrays and the table
+    # as they are then. A plan cached early (psycopg prepares a statement on
+    # its fifth run) made batches of 100 five times slower as the table grew.
+    cursor.execute(arrays.sql, arrays.params(rows, wanted), prepare=False)
+    for event_id, source, key, print_, is_new in cursor.fetchall():
         if is_new:
             new_ids[(source, key)] = event_id
         else:
@@ -249,7 +296,8 @@ def _write_arrays(
     raced = [key for key in first if key not in new_ids and key not in stored]
     if raced:
         keys = {"source": [s for s, _ in raced], "dedup_key": [k for _, k in raced]}
-        for event_id, source, key, print_ in conn.exec_driver_sql(arrays.find_sql, keys):
+        cursor.execute(arrays.find_sql, keys)
+        for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = _Stored(event_id, print_)
     return new_ids, stored
 
