@@ -1,9 +1,9 @@
 """The inbox: fast paths against the plain Core path, atomicity, batches, races.
 
 Every test runs on SQLite and PostgreSQL (the ``make_app`` fixture's
-database). The failure injected into the outbox insert is a real trigger on
-the deliveries table, so the statement fails inside the database, where a
-crash between the two writes would.
+database). The failures injected (into the outbox insert, into the
+conflict record) are real triggers on their tables, so the statement fails
+inside the database, where a crash between the writes would.
 """
 
 from __future__ import annotations
@@ -160,19 +160,20 @@ def test_statements_are_built_per_engine(make_app, tmp_path):
     assert theirs is not mine
 
 
-def _fail_outbox_inserts() -> None:
-    """Make every INSERT into deliveries fail inside the database."""
+def _fail_inserts(table: str = "deliveries") -> None:
+    """Make every INSERT into ``table`` (the outbox by default) fail inside the database."""
+    failure = f"injected failure on {table}"
     if db.engine.dialect.name == "sqlite":
         ddl = [
-            "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
-            "BEGIN SELECT RAISE(ABORT, 'injected outbox failure'); END"
+            f"CREATE TRIGGER fail_insert BEFORE INSERT ON {table} "
+            f"BEGIN SELECT RAISE(ABORT, '{failure}'); END"
         ]
     else:
         ddl = [
-            "CREATE FUNCTION fail_outbox() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'injected outbox failure'; END $$",
-            "CREATE TRIGGER fail_outbox BEFORE INSERT ON deliveries "
-            "FOR EACH ROW EXECUTE FUNCTION fail_outbox()",
+            "CREATE FUNCTION fail_insert() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN RAISE EXCEPTION '{failure}'; END $$",
+            f"CREATE TRIGGER fail_insert BEFORE INSERT ON {table} "
+            "FOR EACH ROW EXECUTE FUNCTION fail_insert()",
         ]
     db.session.rollback()
     with db.engine.begin() as conn:
@@ -180,13 +181,13 @@ def _fail_outbox_inserts() -> None:
             conn.execute(text(statement))
 
 
-def _drop_failure() -> None:
+def _drop_failure(table: str = "deliveries") -> None:
     # The session's read holds a lock on the tables that DROP TRIGGER would wait for.
     db.session.rollback()
     with db.engine.begin() as conn:
-        conn.execute(text("DROP TRIGGER fail_outbox" + ("" if _sqlite() else " ON deliveries")))
+        conn.execute(text("DROP TRIGGER fail_insert" + ("" if _sqlite() else f" ON {table}")))
         if not _sqlite():
-            conn.execute(text("DROP FUNCTION fail_outbox()"))
+            conn.execute(text("DROP FUNCTION fail_insert()"))
 
 
 def _sqlite() -> bool:
@@ -197,9 +198,9 @@ def _sqlite() -> bool:
 def test_a_failed_outbox_insert_leaves_no_event_behind(make_app, path):
     app = make_app(_config(forwards=True))
     with app.app_context():
-        _fail_outbox_inserts()
+        _fail_inserts()
         try:
-            with pytest.raises(DBAPIError, match="injected outbox failure"):
+            with pytest.raises(DBAPIError, match="injected failure on deliveries"):
                 if path == "batch":
                     inbox.receive_many([message("k1"), message("k2")])
                 else:
@@ -223,7 +224,7 @@ def test_the_webhook_receipt_stores_nothing_when_its_outbox_insert_fails(make_ap
         "X-Signature": hmac_hex(body, "shop-secret-0123456789"),
     }
     with app.app_context():
-        _fail_outbox_inserts()
+        _fail_inserts()
     try:
         response = client.post("/webhooks/shop", data=body, headers=headers)
         assert response.status_code >= 500
@@ -272,6 +273,32 @@ def test_a_batch_settles_each_message_in_one_transaction(make_app):
         assert counts[stored.event_id] == 1
         assert counts[new_1.event_id] == 1
         assert inbox.receive_many([]) == []
+
+
+def test_a_batch_whose_conflict_could_not_be_kept_settles_all_of_it_when_sent_again(make_app):
+    # receive_many raises, so a consumer settles nothing and the broker sends
+    # the batch again. On PostgreSQL the batch's one statement committed its
+    # new event before the conflict's own transaction failed; on SQLite it is
+    # all one transaction. Either way the batch sent again gets every outcome
+    # right and the conflict is kept.
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        stored = inbox.receive(message("stored"))
+        assert isinstance(stored, inbox.Accepted)
+        batch = [message("new"), message("stored", fingerprint="c" * 64, body=b"changed")]
+        _fail_inserts("event_conflicts")
+        try:
+            with pytest.raises(DBAPIError, match="injected failure on event_conflicts"):
+                inbox.receive_many(batch)
+            assert _count(EventConflict) == 0
+            assert _count(Event) == (1 if _sqlite() else 2)
+        finally:
+            _drop_failure("event_conflicts")
+        new, conflict = inbox.receive_many(batch)
+        assert isinstance(new, inbox.Accepted if _sqlite() else inbox.Duplicate)
+        assert conflict == inbox.Conflict(stored.event_id)
+        assert _count(EventConflict) == 1
+        assert (_count(Event), _count(Delivery)) == (2, 4)
 
 
 def test_a_batch_and_a_single_receipt_racing_for_one_key_store_one_event(make_app):
