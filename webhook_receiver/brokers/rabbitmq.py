@@ -131,6 +131,11 @@ class RabbitConsumer(batch.Consumer):
                 if inflight is not None and inflight[1].done():
                     taken, future = inflight
                     inflight = None
+                    if future.exception() is None and ready is not None and not stopping:
+                        # The next batch is on its way to the database before
+                        # this one's acks go out: storing is the slow stage.
+                        inflight = self._submit(connection, pool, ready)
+                        ready = None
                     behind = ready[0] if ready else []
                     if not self._settle(connection, channel, taken, future, behind, pending):
                         # Everything received was requeued, prepared or not.
@@ -141,15 +146,8 @@ class RabbitConsumer(batch.Consumer):
                     # received or prepared goes back with the channel.
                     return
                 if inflight is None and ready is not None and not stopping:
-                    taken, prepared = ready
+                    inflight = self._submit(connection, pool, ready)
                     ready = None
-                    started = threading.Event()
-                    inflight = (taken, pool.submit(self._store, prepared, started))
-                    # The storing thread goes first: its statement is on its
-                    # way before this thread holds the GIL for the next
-                    # batch's Python (otherwise the statement waits for the
-                    # interpreter's switch interval, 5 ms).
-                    started.wait(BATCH_WAIT_SECONDS)
                     continue
                 if pending and first_at is None:
                     first_at = time.monotonic()
@@ -164,13 +162,26 @@ class RabbitConsumer(batch.Consumer):
                     ]
                     ready = (taken, self.prepare(self.source, deliveries))
                     continue
-                if inflight is not None:
-                    timeout = 0.002
-                elif first_at is None:
+                # A stored batch wakes this wait (see _submit).
+                if first_at is None:
                     timeout = IDLE_WAIT_SECONDS
                 else:
                     timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
                 connection.process_data_events(time_limit=timeout)
+
+    def _submit(
+        self, connection: Any, pool: ThreadPoolExecutor, ready: tuple[list[Raw], batch.Prepared]
+    ) -> tuple[list[Raw], Future[list[batch.Verdict]]]:
+        """Hand a prepared batch to the storing thread; its end wakes this thread's wait."""
+        taken, prepared = ready
+        started = threading.Event()
+        future = pool.submit(self._store, prepared, started)
+        future.add_done_callback(lambda _future: _wake(connection))
+        # The storing thread goes first: its statement is on its way before
+        # this thread holds the GIL for the next batch's Python (otherwise
+        # the statement waits for the interpreter's switch interval, 5 ms).
+        started.wait(BATCH_WAIT_SECONDS)
+        return taken, future
 
     def _store(self, prepared: batch.Prepared, started: threading.Event) -> list[batch.Verdict]:
         started.set()
@@ -238,6 +249,19 @@ class RabbitConsumer(batch.Consumer):
                 "routing_key": method.routing_key,
             },
         )
+
+
+def _wake(connection: Any) -> None:
+    # From the storing thread: pika's one thread-safe call ends the
+    # consuming thread's process_data_events at once.
+    try:
+        connection.add_callback_threadsafe(_nothing)
+    except _CONNECTION_ERRORS:
+        pass  # closed: the consuming thread finds out for itself
+
+
+def _nothing() -> None:
+    pass
 
 
 def _describe(exc: BaseException) -> str:
