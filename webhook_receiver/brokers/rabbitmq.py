@@ -131,11 +131,6 @@ class RabbitConsumer(batch.Consumer):
                 if inflight is not None and inflight[1].done():
                     taken, future = inflight
                     inflight = None
-                    if future.exception() is None and ready is not None and not stopping:
-                        # The next batch is on its way to the database before
-                        # this one's acks go out: storing is the slow stage.
-                        inflight = self._submit(connection, pool, ready)
-                        ready = None
                     behind = ready[0] if ready else []
                     if not self._settle(connection, channel, taken, future, behind, pending):
                         # Everything received was requeued, prepared or not.
