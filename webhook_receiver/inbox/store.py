@@ -136,8 +136,7 @@ def receive_many(
         # the batch's own events were rolled back.
         kept = [(m, event_id) for m, event_id in conflicts if event_id not in new_ids.values()]
         with transaction(engine) as conn:
-            for message, event_id in kept:
-                _keep_conflict(conn, statements, event_id, message, now)
+            _keep_conflicts(conn, statements, kept, now)
         for message, event_id in kept:
             _log_outcome(message, Conflict(event_id))
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
@@ -167,7 +166,20 @@ def _store_batch(
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     postgresql = fast and statements.dialect_name == "postgresql"
     if postgresql and not all_or_nothing:
-        return _store_batch_in_one_statement(engine, statements, messages, first, rows, now)
+        # The new events and their deliveries are one statement, its own
+        # transaction: one round trip where BEGIN, the statement and COMMIT
+        # were three, each a wait for a consumer's storing thread to get the
+        # GIL back.
+        with driver_cursor(engine) as cursor:
+            new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+        outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
+        if conflicts:
+            # Kept for review once the events are committed. Should this
+            # fail, receive_many raises before any message is settled, and
+            # the redelivery finds the same conflict again.
+            with transaction(engine) as conn:
+                _keep_conflicts(conn, statements, conflicts, now)
+        return outcomes, new_ids, conflicts
     with transaction(engine) as conn:
         if postgresql:
             with transaction_cursor(conn) as cursor:
@@ -177,34 +189,7 @@ def _store_batch(
         outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
-        for message, event_id in conflicts:
-            _keep_conflict(conn, statements, event_id, message, now)
-    return outcomes, new_ids, conflicts
-
-
-def _store_batch_in_one_statement(
-    engine: Engine,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
-) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
-    """PostgreSQL: the new events and their deliveries are one statement, its own transaction.
-
-    One round trip where BEGIN, the statement and COMMIT were three, each a
-    wait for the consumer's storing thread to get the GIL back.
-    """
-    with driver_cursor(engine) as cursor:
-        new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
-    outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
-    if conflicts:
-        # Kept for review once the events are committed. Should this fail,
-        # receive_many raises before any message is settled, and the
-        # redelivery finds the same conflict again.
-        with transaction(engine) as conn:
-            for message, event_id in conflicts:
-                _keep_conflict(conn, statements, event_id, message, now)
+        _keep_conflicts(conn, statements, conflicts, now)
     return outcomes, new_ids, conflicts
 
 
@@ -521,6 +506,13 @@ def _keep_conflict(
             **{name: values[name] for name in CONFLICT_COLUMNS},
         },
     )
+
+
+def _keep_conflicts(
+    conn: Connection, statements: Statements, conflicts: list[tuple[Message, int]], now: datetime
+) -> None:
+    for message, event_id in conflicts:
+        _keep_conflict(conn, statements, event_id, message, now)
 
 
 def _log_outcome(message: Message, outcome: Outcome) -> None:
