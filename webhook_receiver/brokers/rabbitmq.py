@@ -189,7 +189,7 @@ class RabbitConsumer(batch.Consumer):
         channel: Any,
         taken: list[Raw],
         future: Future[list[batch.Verdict]],
-        prepared: list[Raw],
+        behind: list[Raw],
         pending: list[Raw],
     ) -> bool:
         """Settle a stored batch; False when the database was away (everything requeued)."""
@@ -200,7 +200,7 @@ class RabbitConsumer(batch.Consumer):
             # gets back the batch and what arrived behind it, and the
             # consumer waits before taking more. What arrives during the
             # wait lands in the emptied ``pending``, to be stored after it.
-            last = (pending or prepared or taken)[-1][0].delivery_tag
+            last = (pending or behind or taken)[-1][0].delivery_tag
             pending.clear()
             channel.basic_nack(delivery_tag=last, multiple=True, requeue=True)
             delay = self.outage.failed("database", exc)
