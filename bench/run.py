@@ -6,9 +6,10 @@ prepares its requests against the live server, and wrk loads it for a fixed
 time after a short warm-up. Nothing here knows what a scenario sends.
 
 A machine shared with others (a cloud VM whose CPU is stolen by its
-neighbours) moves throughput by a third from one minute to the next. So
-the scenarios run in rounds, each round with its own baseline run first,
-and a scenario's ratio is the median of its rounds' ratios. The CPU time
+neighbours) moves throughput by a third from one minute to the next. So a
+scenario's load is cut into slices interleaved with slices of the
+baseline's (both servers up, one loaded at a time), the scenarios run in
+rounds, and a scenario's ratio is the median of its rounds' ratios. The CPU time
 the server spent per request (gunicorn's workers plus a PostgreSQL on this
 machine) is reported too: stolen time does not count in it.
 """
@@ -59,6 +60,7 @@ class Options:
     threads: int
     front: str = ""  # "nginx": load through deploy/nginx in front of gunicorn
     rounds: int = 3
+    slices: int = 4  # each scenario's load, interleaved with the baseline's in this many parts
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Result:
     errors: int
     cpu_seconds: float = 0.0  # the server's CPU time over the measured run
     round: int = 1
+    # The scenario whose slices were interleaved with the baseline's: a row
+    # and the baseline run it is compared with share it.
+    against: str = ""
 
     @property
     def cpu_ms_per_request(self) -> float:
@@ -287,6 +292,12 @@ def wrk(url: str, load: Load, seconds: float, options: Options, workdir: Path) -
 def run_scenarios(
     db: str, db_url: str, names: list[str], options: Options, workdir: Path, n_round: int = 1
 ) -> list[Result]:
+    """One round on one database: each scenario interleaved with the baseline, slice by slice.
+
+    The baseline's gunicorn stays up for the round, beside the scenario's;
+    wrk loads one of them at a time, alternating every slice (B S S B ...),
+    so the two sides of a ratio share the machine's minute.
+    """
     config_path = workdir / f"config-{db}.toml"
     context = Context(db=db, workdir=workdir, run_id=secrets.token_hex(4))
     # Scenarios may share a fragment (the same sources): include each once.
@@ -295,50 +306,107 @@ def run_scenarios(
     env = app_env(db_url, config_path)
     migrate(env)
     results = []
-    for name in names:
+    with ExitStack() as round_stack:
+        baseline = _Side.start(round_stack, "baseline", db, env, options, workdir, context)
+        others = [name for name in names if name != "baseline"]
+        if not others:  # the baseline alone
+            results.append(baseline.measure(options.duration, options, workdir, n_round))
+        for name in others:
+            with ExitStack() as stack:
+                side = _Side.start(stack, name, db, env, options, workdir, context)
+                sliced: dict[str, list[Result]] = {"baseline": [], name: []}
+                seconds = options.duration / options.slices
+                for i in range(options.slices):
+                    for one in (baseline, side) if i % 2 == 0 else (side, baseline):
+                        sliced[one.name].append(one.measure(seconds, options, workdir, n_round))
+            for one in (baseline, side):
+                result = _combined(sliced[one.name], against=name)
+                results.append(result)
+                print(
+                    f"  round {n_round} {db:10} {one.name:18} {result.rps:8.0f} req/s  "
+                    f"p50 {result.p50_ms:.1f} ms  CPU {result.cpu_ms_per_request:.2f} ms/request"
+                    + (f"  (beside {name})" if one is baseline else ""),
+                    flush=True,
+                )
+    return results
+
+
+@dataclass
+class _Side:
+    """One gunicorn of a round, loaded by wrk a slice at a time."""
+
+    name: str
+    db: str
+    served: Served
+    url: str
+    load: Load
+
+    @classmethod
+    def start(
+        cls,
+        stack: ExitStack,
+        name: str,
+        db: str,
+        env: dict[str, str],
+        options: Options,
+        workdir: Path,
+        context: Context,
+    ) -> _Side:
         scenario = SCENARIOS[name]
         log_path = workdir / f"gunicorn-{db}-{name}.log"
-        with ExitStack() as stack:
-            served = stack.enter_context(gunicorn(scenario.app, env, options.workers, log_path))
-            url = context.url = served.url
-            if options.front == "nginx" and scenario.app == "wsgi:app":
-                # The baseline stays direct: the ratios then show what the front costs.
-                front = stack.enter_context(nginx(served.url, workdir / f"nginx-{db}-{name}"))
-                url = context.url = front.url
-            load = scenario.prepare(context)
-            if options.warmup > 0:
-                wrk(url, load, options.warmup, options, workdir)
-            cpu_before = server_cpu(served.pid)
-            summary = wrk(url, load, options.duration, options, workdir)
-            cpu_seconds = server_cpu(served.pid) - cpu_before
-        errors = sum(summary[k] for k in ("connect", "read", "write", "status", "timeout"))
-        result = Result(
-            scenario=name,
-            db=db,
+        served = stack.enter_context(gunicorn(scenario.app, env, options.workers, log_path))
+        url = context.url = served.url
+        if options.front == "nginx" and scenario.app == "wsgi:app":
+            # The baseline stays direct: the ratios then show what the front costs.
+            front = stack.enter_context(nginx(served.url, workdir / f"nginx-{db}-{name}"))
+            url = context.url = front.url
+        side = cls(name, db, served, url, scenario.prepare(context))
+        if options.warmup > 0:
+            wrk(side.url, side.load, options.warmup, options, workdir)
+        return side
+
+    def measure(self, seconds: float, options: Options, workdir: Path, n_round: int) -> Result:
+        cpu_before = server_cpu(self.served.pid)
+        summary = wrk(self.url, self.load, seconds, options, workdir)
+        cpu_seconds = server_cpu(self.served.pid) - cpu_before
+        return Result(
+            scenario=self.name,
+            db=self.db,
             requests=summary["requests"],
             seconds=summary["duration_us"] / 1e6,
             p50_ms=summary["p50_us"] / 1000,
             p99_ms=summary["p99_us"] / 1000,
-            errors=errors,
+            errors=sum(summary[k] for k in ("connect", "read", "write", "status", "timeout")),
             cpu_seconds=cpu_seconds,
             round=n_round,
         )
-        print(
-            f"  round {n_round} {db:10} {name:18} {result.rps:8.0f} req/s  "
-            f"p50 {result.p50_ms:.1f} ms  CPU {result.cpu_ms_per_request:.2f} ms/request",
-            flush=True,
-        )
-        results.append(result)
-    return results
+
+
+def _combined(slices: list[Result], against: str) -> Result:
+    """A side's slices as one run: their totals, and the medians of their percentiles."""
+    first = slices[0]
+    return Result(
+        scenario=first.scenario,
+        db=first.db,
+        requests=sum(r.requests for r in slices),
+        seconds=sum(r.seconds for r in slices),
+        p50_ms=statistics.median(r.p50_ms for r in slices),
+        p99_ms=statistics.median(r.p99_ms for r in slices),
+        errors=sum(r.errors for r in slices),
+        cpu_seconds=sum(r.cpu_seconds for r in slices),
+        round=first.round,
+        against=against,
+    )
 
 
 def table(results: list[Result]) -> list[str]:
     """The results as Markdown table rows: medians over the rounds, ratios to the baseline.
 
     A row's ratio is the median of its rounds' ratios, each against the
-    baseline run of the same round on the same database; so is its CPU ratio.
+    baseline slices interleaved with it in that round; so is its CPU ratio.
+    The baseline's row takes all its slices of all rounds.
     """
-    baseline = {(r.db, r.round): r for r in results if r.scenario == "baseline"}
+    baseline = {(r.db, r.round, r.against): r for r in results if r.scenario == "baseline"}
     rows = [
         "| scenario | db | requests/s | p50 ms | p99 ms | errors | vs baseline "
         "| CPU ms/request | CPU vs baseline |",
@@ -350,7 +418,7 @@ def table(results: list[Result]) -> list[str]:
     for (scenario, db), runs in groups.items():
         ratios, cpu_ratios = [], []
         for r in runs:
-            base = baseline.get((db, r.round))
+            base = baseline.get((db, r.round, r.against))
             if base and base.rps:
                 ratios.append(r.rps / base.rps)
             if base and r.cpu_ms_per_request and base.cpu_ms_per_request:
@@ -383,8 +451,9 @@ def describe(options: Options, pg_url: str | None) -> list[str]:
         + (", behind nginx (deploy/nginx/; baseline direct)" if options.front else ""),
         f"- load: {(wrk_version.splitlines() or ['wrk'])[0].split(' [')[0]}, "
         f"{options.threads} thread(s), {options.connections} connections, "
-        f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario, "
-        f"{options.rounds} round(s), each with its own baseline run; medians over the rounds",
+        f"{options.warmup:g} s warm-up + {options.duration:g} s per scenario in "
+        f"{options.slices} slice(s), each beside a slice of the baseline; "
+        f"{options.rounds} round(s), medians over the rounds",
         "- PostgreSQL: "
         + (f"a fresh database on the server at {_host(pg_url)}" if pg_url else "skipped"),
         "- SQLite: a fresh file on disk, WAL, synchronous=FULL",
@@ -407,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds of every scenario, each with its baseline"
+    )
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=4,
+        help="parts of each scenario's load, interleaved with as many of the baseline's",
     )
     parser.add_argument("--db", default="sqlite,postgresql", help="comma-separated databases")
     parser.add_argument(
@@ -444,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads,
         args.front,
         max(1, args.rounds),
+        max(1, args.slices),
     )
     dbs = [d for d in args.db.split(",") if d]
     if "postgresql" in dbs and not args.pg_url:
