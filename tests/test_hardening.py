@@ -530,6 +530,40 @@ def test_readyz_is_503_while_the_database_refuses_writes(make_app, db_url) -> No
     assert client.get("/healthz").status_code == 200
 
 
+def test_writes_to_a_read_only_database_are_503_and_never_2xx(make_app, db_url) -> None:
+    # A standby after a failover: PostgreSQL refuses each write with
+    # read_only_sql_transaction, which psycopg files under InternalError
+    # (it was a 500 "internal-error"); SQLite's read-only file is an
+    # OperationalError. Either way the sender must retry later.
+    config = {"clients": CLIENTS, "sources": {"stripe-live": s.SOURCES["stripe-live"]}}
+    app = make_app(config, **read_only(db_url))
+    client = app.test_client()
+    body = b'{"id":"evt_read_only","type":"charge.succeeded"}'
+    writes = [
+        client.post(
+            "/api/events",
+            data=b'{"type":"t","data":{}}',
+            headers={
+                **bearer(),
+                "Idempotency-Key": "read-only-1",
+                "Content-Type": "application/json",
+            },
+        ),
+        client.post(
+            "/webhooks/stripe-live", data=body, headers=stripe_signed(body, int(time.time()))
+        ),
+    ]
+    for response in writes:
+        assert response.status_code == 503, response.get_data(as_text=True)
+        assert response.mimetype == "application/problem+json"
+        assert response.get_json()["type"] == "/problems/database-unavailable"
+        assert response.headers["Retry-After"]
+    writable = make_app(config)
+    with writable.app_context():
+        assert db.session.scalar(select(func.count()).select_from(Event)) == 0
+        assert db.session.scalar(select(func.count()).select_from(IdempotencyRecord)) == 0
+
+
 # -- the login throttle under concurrent guesses ---------------------------------
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from flask import Flask
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
 from .extensions import db
@@ -125,6 +126,28 @@ def driver_errors(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
             connection_invalidated=invalidated,
             dialect=dialect,
         ) from exc
+
+
+# PostgreSQL's read_only_sql_transaction: a standby after a failover, or a
+# pooler still pointed at a demoted primary. psycopg files it under
+# InternalError, but for a writer it is the database being away.
+_READ_ONLY = "25006"
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Tell the database being away, locked or read-only (retry later) from a faulty statement.
+
+    The one test the HTTP edge (503) and the broker consumers (requeue, back
+    off) share. OperationalError covers refused and dropped connections, a
+    server shutting down and SQLite's "database is locked" (or read-only
+    file) past the busy timeout; a pool with no connection to lend within
+    its timeout is a busy database too.
+    """
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
+        return True
+    if not isinstance(exc, DBAPIError):
+        return False
+    return bool(exc.connection_invalidated) or getattr(exc.orig, "sqlstate", None) == _READ_ONLY
 
 
 def init_app(app: Flask) -> None:

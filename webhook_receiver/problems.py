@@ -16,6 +16,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
+from .database import is_unavailable
+
 # slug -> (status, title)
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
     "bad-request": (400, "Bad request"),
@@ -147,17 +149,8 @@ def init_app(app: Flask) -> None:
         from .extensions import db
 
         db.session.rollback()
-        if isinstance(exc, PoolTimeout) or exc.connection_invalidated or _is_unavailable(exc):
+        if is_unavailable(exc):
             app.logger.warning("database unavailable: %s", exc)
             return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
         app.logger.exception("database error")
         return problem_response(Problem("internal-error"))
-
-
-def _is_unavailable(exc: DBAPIError) -> bool:
-    """Tell a database that cannot be reached (or is locked) from a faulty query."""
-    from sqlalchemy.exc import InterfaceError, OperationalError
-
-    # OperationalError covers refused and dropped connections, a server
-    # shutting down, and SQLite's "database is locked" past the busy timeout.
-    return isinstance(exc, (OperationalError, InterfaceError))

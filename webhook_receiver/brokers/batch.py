@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from flask import Flask
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .. import inbox
 from ..config import BrokerSourceConfig
+from ..database import is_unavailable
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
 from ..observability import metrics
 from .identify import Delivery, Unidentified, identify
@@ -51,13 +52,6 @@ class Verdict(NamedTuple):
     reason: str | None = None
     detail: str | None = None
     outcome: Outcome | None = None
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Tell whether a database error is an outage (retry later) rather than this data's fault."""
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError):
-        return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 class Prepared(NamedTuple):
@@ -97,9 +91,9 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
     outcomes: Sequence[Outcome | Verdict]
     try:
         outcomes = inbox.receive_many(messages)
-    except DBAPIError as exc:
-        if is_transient(exc):
-            raise DatabaseUnavailable(str(exc.orig or exc)) from exc
+    except (DBAPIError, PoolTimeoutError) as exc:
+        if is_unavailable(exc):
+            raise DatabaseUnavailable(_cause(exc)) from exc
         # One message the database refuses must not hold back the batch on
         # every redelivery: store them one by one to find it.
         log.warning("source %s: a batch failed to store (%s); storing one by one", source.name, exc)
@@ -113,10 +107,15 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
 def _one(message: Message) -> Outcome | Verdict:
     try:
         return inbox.receive_many([message])[0]
-    except DBAPIError as exc:
-        if is_transient(exc):
-            raise DatabaseUnavailable(str(exc.orig or exc)) from exc
-        return Verdict(DEAD_LETTER, UNSTORABLE, f"{type(exc.orig or exc).__name__}")
+    except (DBAPIError, PoolTimeoutError) as exc:
+        if is_unavailable(exc):
+            raise DatabaseUnavailable(_cause(exc)) from exc
+        return Verdict(DEAD_LETTER, UNSTORABLE, type(getattr(exc, "orig", None) or exc).__name__)
+
+
+def _cause(exc: BaseException) -> str:
+    # A driver error says more than SQLAlchemy's wrapper; a pool timeout has no driver error.
+    return str(getattr(exc, "orig", None) or exc)
 
 
 def _verdict(outcome: Outcome | Verdict) -> Verdict:
