@@ -145,3 +145,66 @@ def test_broker_source_handler_writes_commit_with_its_delivery(make_app, amqp_qu
         with app.app_context():
             handlers.ledger.drop(db.engine, checkfirst=True)
         handlers.reset()
+
+
+def test_the_consuming_thread_waits_while_a_slow_batch_is_stored(make_app, amqp_queue, monkeypatch):
+    # With a batch stored, one prepared and the third arrived, the consuming
+    # thread has nothing to do until the store ends (which wakes it). It
+    # used to poll the connection without a timeout once the arrivals were
+    # older than the batch wait: a busy loop taking the GIL from the store.
+    import threading
+    import time
+
+    import pika
+
+    from webhook_receiver.brokers import batch, runner
+
+    app = _app(make_app, amqp_queue, prefetch=10)
+    amqp_queue.publish([_message(n) for n in range(40)])
+    calls = []
+    real = pika.BlockingConnection.process_data_events
+
+    def counted(self, *args, **kwargs):
+        calls.append(time.monotonic())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pika.BlockingConnection, "process_data_events", counted)
+    stop = threading.Event()
+    consumer = runner.consumer_for(app, app.config["FILE_CONFIG"].brokers[SOURCE], stop)
+
+    def slow_store(source, prepared):
+        time.sleep(0.5)
+        return batch.store(source, prepared)
+
+    consumer.store = slow_store
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: count_events(app) == 40 and amqp_queue.ready() == 0, 30)
+    finally:
+        stop.set()
+        thread.join(30)
+    # Four stores of 0.5 s: a waiting thread polls a few times per store
+    # (arrivals, the 0.25 s idle wait, the wake-up); a spinning one,
+    # thousands of times.
+    assert len(calls) < 200, f"{len(calls)} polls in 2 s of storing"
+
+
+def test_a_pool_with_no_connection_to_lend_is_an_outage_not_a_crash(make_app, amqp_queue):
+    # A pool timeout is SQLAlchemy's own error, not a driver's: it escaped
+    # the batch's handler and stopped every consumer of the process.
+    from webhook_receiver.brokers import batch
+    from webhook_receiver.brokers.identify import Delivery
+    from webhook_receiver.extensions import db
+
+    pool = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 0.2}
+    app = make_app({"sources": {SOURCE: rabbit_source(amqp_queue)}}, SQLALCHEMY_ENGINE_OPTIONS=pool)
+    source = app.config["FILE_CONFIG"].brokers[SOURCE]
+    body, props = _message(1)
+    delivery = Delivery(body, "application/json", properties={"message_id": "msg-1"})
+    with app.app_context():
+        prepared = batch.prepare(source, [delivery])
+        with db.engine.connect():  # the pool's one connection, held
+            with pytest.raises(batch.DatabaseUnavailable):
+                batch.store(source, prepared)
+    assert count_events(app) == 0

@@ -157,8 +157,10 @@ class RabbitConsumer(batch.Consumer):
                     ]
                     ready = (taken, self.prepare(self.source, deliveries))
                     continue
-                # A stored batch wakes this wait (see _submit).
-                if first_at is None:
+                # A stored batch wakes this wait (see _submit). With a batch
+                # prepared, nothing more is taken until then: a timeout
+                # counted from the arrivals would spin once it ran out.
+                if first_at is None or ready is not None:
                     timeout = IDLE_WAIT_SECONDS
                 else:
                     timeout = max(0.0, first_at + BATCH_WAIT_SECONDS - time.monotonic())
