@@ -166,14 +166,19 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password (and query, where tokens travel) replaced by [redacted]."""
+    """The URL with any password, lone user part and query replaced by [redacted].
+
+    A user part without a password is a token for NATS (``nats://TOKEN@host``)
+    and for many HTTP APIs; queries carry tokens too.
+    """
     try:
         parts = urlsplit(url)
         netloc = parts.netloc
+        host = netloc.rpartition("@")[2]
         if parts.password is not None:
-            user = parts.username or ""
-            host = netloc.rpartition("@")[2]
-            netloc = f"{user}:[redacted]@{host}"
+            netloc = f"{parts.username or ''}:[redacted]@{host}"
+        elif "@" in netloc:
+            netloc = f"[redacted]@{host}"
         query = "[redacted]" if parts.query else ""
         return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:

@@ -49,6 +49,22 @@ def test_url_secrets_are_redacted_in_reprs():
     assert file.brokers["orders"].safe_url == "amqp://guest:[redacted]@127.0.0.1:5672/%2F"
 
 
+def test_a_nats_token_in_the_url_is_redacted_like_a_password():
+    # nats-py reads a user part without a password as the server's token.
+    token_url = "nats://s3cret-token@127.0.0.1:4222"
+    file = _parse(
+        payments={
+            "provider": "nats",
+            "url": token_url,
+            "stream": "PAYMENTS",
+            "forward": [{"name": "stream", "url": token_url, "subject": "events.x"}],
+        }
+    )
+    assert file.brokers["payments"].safe_url == "nats://[redacted]@127.0.0.1:4222"
+    assert "s3cret-token" not in repr(file.brokers["payments"])
+    assert "s3cret-token" not in repr(file.forwards["payments"])
+
+
 @pytest.mark.parametrize(
     ("table", "expected"),
     [
