@@ -130,3 +130,24 @@ def _stream_count(stream) -> int:
         return (await nc.jetstream().stream_info(stream.name)).state.messages
 
     return stream.run(go)
+
+
+def test_a_conflict_published_with_an_expected_sequence_is_still_dead_lettered(make_app, jetstream):
+    # The producer guarded its publish with Nats-Expected-Last-Subject-Sequence.
+    # Copied onto the dead letter, that expectation failed the copy's publish
+    # (the dead-letter subject has no such sequence), and the conflict was
+    # nak-ed and sighted again for ever.
+    app = _app(make_app, jetstream, dedup_key="json:/payment")
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        subject, body, headers = _message(1, total=999)
+        guarded = {**headers, "Nats-Msg-Id": "other", "Nats-Expected-Last-Subject-Sequence": "1"}
+        jetstream.publish([(subject, body, guarded)])
+        assert wait_until(lambda: len(jetstream.dead_letters()) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+    assert count_conflicts(app) == 1
+    [(data, dead_headers)] = jetstream.dead_letters()
+    assert data == body
+    assert "Nats-Expected-Last-Subject-Sequence" not in dead_headers
+    assert dead_headers["Dead-Letter-Msg-Id"] == "other"

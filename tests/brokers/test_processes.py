@@ -443,3 +443,32 @@ def test_sqlite_write_locked_mid_stream_nothing_acked_until_committed(
     assert code == 0
     keys = _keys(url)
     assert set(keys) == {f"{prefix}{n}" for n in range(1000)} and max(keys.values()) == 1
+
+
+@pytest.mark.parametrize("when", ["lost mid-session", "down at start"])
+def test_sigterm_while_nats_is_unreachable_exits_0_and_the_outage_is_logged(
+    make_app, db_url, tmp_path, when
+):
+    # nats-py retries a first connect for ever when told to reconnect for
+    # ever: the consumer used to sit in it, deaf to SIGTERM, and a lost
+    # connection was retried without a word in the log.
+    from .conftest import Stream, private_nats
+
+    with private_nats(tmp_path) as server:
+        stream = Stream(server.url, "WRDOWN", "wrdown")
+        stream.create()
+        sources = {"pay": nats_source(stream, batch=10)}
+        if when == "down at start":
+            server.stop()
+        process, log = start_consume(db_url, toml(sources), tmp_path)
+        try:
+            if when == "lost mid-session":
+                assert wait_until(lambda: "consuming" in log.read_text(), 30), _log(log)
+                server.stop()
+            assert wait_until(lambda: "broker unavailable" in log.read_text(), 30), _log(log)
+            time.sleep(1)  # in the middle of connecting again
+            code = _terminate(process, log)
+        finally:
+            stop(process)
+    assert code == 0, _log(log)
+    assert log.read_text().count("broker unavailable") == 1, _log(log)

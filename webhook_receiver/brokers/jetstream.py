@@ -32,12 +32,17 @@ log = logging.getLogger(__name__)
 
 # How long one fetch waits for its batch to fill.
 FETCH_WAIT_SECONDS = 0.25
+# How long a first connect may try before the consumer backs off (and
+# looks at its stop flag).
+CONNECT_WAIT_SECONDS = 5
 DEAD_LETTER_REASON = "Dead-Letter-Reason"
 # The dead letter's own Nats-Msg-Id is derived from the stream sequence, so a
 # republish after a crash is dropped by JetStream's duplicate window; the
 # producer's id travels in this header instead.
 DEAD_LETTER_MSG_ID = "Dead-Letter-Msg-Id"
 MSG_ID = "Nats-Msg-Id"
+# JetStream's publish-time headers (ADR-31 and the stream's own controls).
+_CONTROL_HEADER_PREFIXES = ("Nats-Expected-", "Nats-Rollup", "Nats-TTL", "Nats-Schedule")
 _ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 
 
@@ -64,18 +69,7 @@ class JetStreamConsumer(batch.Consumer):
             await asyncio.sleep(min(0.1, deadline - loop.time()))
 
     async def _session(self) -> None:
-        async def on_error(exc: Exception) -> None:
-            log.debug("source %s: nats: %s", self.source.name, exc)
-
-        nc = await nats.connect(
-            self.source.url,
-            name=f"webhook-receiver consume {self.source.name} pid {os.getpid()}",
-            connect_timeout=2,
-            reconnect_time_wait=0.5,
-            max_reconnect_attempts=-1,
-            allow_reconnect=True,
-            error_cb=on_error,
-        )
+        nc = await self._connect()
         try:
             js = nc.jetstream()
             subscription = await self._subscribe(js)
@@ -89,10 +83,61 @@ class JetStreamConsumer(batch.Consumer):
             self.outage.recovered()
             await self._consume(nc, js, subscription)
         finally:
+            self._closing = True  # our own close is no outage
             try:
                 await nc.close()
             except _ERRORS:
                 pass
+
+    async def _connect(self) -> Any:
+        """Connect; raise when no server answered within CONNECT_WAIT_SECONDS or on stop.
+
+        Once connected, nats-py reconnects by itself for as long as it
+        takes, and the outage is logged once through the callbacks. Its
+        first connect would retry just as long, deaf to SIGTERM: that one
+        is bounded here, and the caller backs off.
+        """
+        self._closing = False
+        last_error: list[BaseException] = []
+
+        async def on_error(exc: Exception) -> None:
+            last_error[:] = [exc]
+            log.debug("source %s: nats: %s", self.source.name, exc)
+
+        async def on_disconnected() -> None:
+            if not self._closing:
+                self.outage.failed("broker", "connection lost; reconnecting")
+
+        async def on_reconnected() -> None:
+            self.outage.recovered()
+
+        options: dict[str, Any] = {
+            "name": f"webhook-receiver consume {self.source.name} pid {os.getpid()}",
+            "connect_timeout": 2,
+            "reconnect_time_wait": 0.5,
+            "max_reconnect_attempts": -1,
+            "allow_reconnect": True,
+            "error_cb": on_error,
+            "disconnected_cb": on_disconnected,
+            "reconnected_cb": on_reconnected,
+        }
+        nc = nats.NATS()
+        connecting = asyncio.ensure_future(nc.connect(self.source.url, **options))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_WAIT_SECONDS
+        while not connecting.done() and not self.stop.is_set() and loop.time() < deadline:
+            await asyncio.wait({connecting}, timeout=0.1)
+        if connecting.done():
+            connecting.result()  # raises what the connect raised
+            return nc
+        connecting.cancel()
+        self._closing = True
+        try:
+            await nc.close()
+        except (*_ERRORS, asyncio.CancelledError):
+            pass
+        cause = f": {last_error[0]}" if last_error else ""
+        raise TimeoutError(f"no NATS server answered within {CONNECT_WAIT_SECONDS} s{cause}")
 
     async def _consume(self, nc: Any, js: Any, subscription: Any) -> None:
         # One batch is stored (and then settled) while the next one is
@@ -188,7 +233,14 @@ class JetStreamConsumer(batch.Consumer):
         subject = self.source.dead_letter_subject
         if subject is None:
             return True
-        headers = dict(message.headers or {})
+        # The producer's expectations and stream controls were for its own
+        # publish: on the copy they would fail it (an expected last
+        # sequence) or act on the dead-letter stream (a rollup, a TTL).
+        headers = {
+            name: value
+            for name, value in (message.headers or {}).items()
+            if not name.startswith(_CONTROL_HEADER_PREFIXES)
+        }
         original = headers.pop(MSG_ID, None)
         if original is not None:
             headers[DEAD_LETTER_MSG_ID] = original
