@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from datetime import timedelta
 from email.utils import format_datetime
+from pathlib import Path
 
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
@@ -535,3 +537,46 @@ def test_signed_http_forward_with_rotated_secrets_signs_with_each(
     assert len(call.headers["webhook-signature"].split(" ")) == 2
     for secret in (SIGNING_SECRET, OLD_SECRET):
         Webhook(secret).verify(call.body, call.headers)
+
+
+def _established_to(port: int) -> int:
+    """TCP connections of this machine in ESTABLISHED state towards 127.0.0.1:``port``."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and int(fields[2].rpartition(":")[2], 16) == port:
+            count += 1
+    return count
+
+
+def test_nats_forward_retried_through_an_outage_keeps_one_connection(tmp_path):
+    # nats-py's first connect retries for ever when told to reconnect for
+    # ever: each publish retried while NATS was down used to leave one such
+    # connect behind, and all of them connected once it was back.
+    from webhook_receiver.config import ForwardConfig
+    from webhook_receiver.processing import publishers
+
+    from ..brokers.conftest import Stream, private_nats
+    from ..servers import wait_until
+
+    with private_nats(tmp_path) as server:
+        stream = Stream(server.url, "WRFWDOUTAGE", "wrfwdoutage")
+        stream.create()
+        out = ForwardConfig(
+            name="stream", url=server.url, timeout_seconds=1, subject="wrfwdoutage.x"
+        )
+        server.stop()
+        for n in range(5):
+            message = publishers.BrokerMessage(b"{}", "application/json", f"m-{n}", "c", "t")
+            with pytest.raises(publishers.PublishError):
+                publishers.publish(out, message)
+        server.start()
+        publishers.publish(out, publishers.BrokerMessage(b"{}", None, "m-ok", "c", "t"))
+        time.sleep(2)  # time for any connect left behind to get through
+        try:
+            assert wait_until(lambda: _established_to(server.port) == 1, 5), _established_to(
+                server.port
+            )
+        finally:
+            loop = publishers._loop()
+            loop.run(loop.connections.pop(server.url).close(), 5)

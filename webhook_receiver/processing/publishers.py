@@ -40,6 +40,7 @@ BROKER_SCHEMES = AMQP_SCHEMES | NATS_SCHEMES
 _PERSISTENT = 2
 # pika logs a returned message with the start of its body: events stay out of the logs.
 logging.getLogger("pika.adapters.blocking_connection").setLevel(logging.ERROR)
+log = logging.getLogger(__name__)
 
 
 class PublishError(Exception):
@@ -143,6 +144,8 @@ class _NatsLoop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.connections: dict[str, Any] = {}
+        # A first connect in progress, per URL: publishes that race for it share it.
+        self.connecting: dict[str, asyncio.Future[Any]] = {}
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="nats-publisher", daemon=True
         )
@@ -152,17 +155,46 @@ class _NatsLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def jetstream(self, url: str, timeout: float) -> Any:
-        nc = self.connections.get(url)
+        nc: Any = self.connections.get(url)
         if nc is None or nc.is_closed:
-            nc = await nats.connect(
-                url,
-                name="webhook-receiver forwards",
-                connect_timeout=timeout,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-            )
-            self.connections[url] = nc
+            pending = self.connecting.get(url)
+            if pending is None:
+                pending = self.connecting[url] = asyncio.ensure_future(self._connect(url, timeout))
+                pending.add_done_callback(lambda _done: self.connecting.pop(url, None))
+            # A caller that gives up does not cancel the connect others wait on.
+            nc = await asyncio.shield(pending)
         return nc.jetstream()
+
+    async def _connect(self, url: str, timeout: float) -> Any:
+        # Once connected, nats-py reconnects by itself for as long as it
+        # takes; its first connect would retry just as long, unseen, and
+        # every publish retried meanwhile used to start one more. This one
+        # is bounded, and closed if it did not finish.
+        async def on_error(exc: Exception) -> None:
+            # Each failed attempt; the delivery's own error says what failed.
+            log.debug("nats forward to %s: %s", redact_url(url), exc)
+
+        nc = nats.NATS()
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    url,
+                    name="webhook-receiver forwards",
+                    error_cb=on_error,
+                    connect_timeout=max(1, round(timeout)),
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=1,
+                ),
+                timeout,
+            )
+        except BaseException:
+            try:
+                await nc.close()
+            except Exception:
+                pass
+            raise
+        self.connections[url] = nc
+        return nc
 
     async def close(self) -> None:
         for nc in self.connections.values():
