@@ -788,3 +788,42 @@ def test_a_process_exiting_writes_its_pending_redeliveries_and_refusals(db_url) 
         engine.dispose()
     assert counts == [2]  # the two redeliveries, written by the exit hook
     assert refused == 4
+
+
+# -- a dedup key's header sent twice ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "header"),
+    [("ce", "ce-id"), ("ce", "ce-source"), ("svix", "webhook-id")],
+)
+def test_a_dedup_key_header_sent_twice_is_400_and_stores_nothing(make_app, source, header):
+    # gunicorn joins a repeated header with a comma. CloudEvents' binary-mode
+    # ce-id and ce-source were read as they came, so "1,1" was a new key and
+    # a repeated header let a redelivery through as a new event; a doubled
+    # webhook-id was refused as a forgery (401) rather than as malformed.
+    app = make_app({"clients": CLIENTS, "sources": s.SOURCES})
+    client = app.test_client()
+    body, headers = delivery_for(source, "key-1")
+    headers = {**headers, header: f"{headers[header]},{headers[header]}"}
+    response = client.post(f"/webhooks/{source}", data=body, headers=headers)
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.get_json()["type"] == "/problems/payload-invalid"
+    assert "more than once" in response.get_json()["detail"]
+    with app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(Event)) == 0
+        assert db.session.scalar(select(func.count()).select_from(Rejection)) == 0
+
+
+def test_an_unexpected_error_on_the_api_is_problem_json(make_app) -> None:
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+
+    def boom():
+        raise RuntimeError("a bug")
+
+    app.add_url_rule("/api/boom", "boom", boom)
+    response = app.test_client().get("/api/boom")
+    assert response.status_code == 500
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == "/problems/internal-error"
+    assert "a bug" not in response.get_data(as_text=True)

@@ -93,6 +93,8 @@ _HTTP_SLUGS = {
     405: "method-not-allowed",
     413: "payload-too-large",
     415: "unsupported-media-type",
+    # An unhandled exception (Flask logs it first): never an HTML page on the API.
+    500: "internal-error",
 }
 
 # Surfaces that speak problem+json; the admin pages speak HTML.

@@ -70,6 +70,8 @@ def receive(
     )
     try:
         provider.verify(inbound, source)
+    except PayloadError as exc:  # malformed before any signature is checked
+        raise Problem("payload-invalid", str(exc)) from exc
     except SignatureError as exc:
         reason = "timestamp" if isinstance(exc, TimestampError) else "signature"
         _reject(source, reason, str(exc), remote_addr)

@@ -78,9 +78,12 @@ class CloudEventsProvider:
                 raise PayloadError("structured CloudEvent is not a JSON object")
             return _identify(event, "structured")
         else:
+            # id and source are the dedup key: a header sent twice is refused.
             attributes = {
-                name: c.optional_header(inbound, f"ce-{name}")
-                for name in ("id", "source", "type", "specversion")
+                "id": c.key_header(inbound, "ce-id"),
+                "source": c.key_header(inbound, "ce-source"),
+                "type": c.optional_header(inbound, "ce-type"),
+                "specversion": c.optional_header(inbound, "ce-specversion"),
             }
         return _identify(attributes, "binary")
 

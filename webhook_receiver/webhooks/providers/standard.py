@@ -49,6 +49,9 @@ class StandardProvider:
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """Check any v1 signature against every secret, then the timestamp."""
         family = _family(inbound)
+        # The id is the dedup key: sent twice, it is a malformed delivery
+        # (400), not a forged one.
+        c.key_header(inbound, f"{family}-id")
         msg_id = c.header(inbound, f"{family}-id")
         signed_at = c.timestamp(c.header(inbound, f"{family}-timestamp"), f"{family}-timestamp")
         signatures = []
@@ -73,5 +76,5 @@ class StandardProvider:
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """The message id is the same on every attempt; the type is the payload's ``type``."""
         payload = c.json_object(inbound)
-        key = c.optional_header(inbound, f"{_family(inbound)}-id")
+        key = c.key_header(inbound, f"{_family(inbound)}-id")
         return Identified(dedup_key=c.dedup_key(key), event_type=c.str_or_none(payload.get("type")))
