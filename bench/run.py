@@ -310,7 +310,8 @@ def run_scenarios(
         baseline = _Side.start(round_stack, "baseline", db, env, options, workdir, context)
         others = [name for name in names if name != "baseline"]
         if not others:  # the baseline alone
-            results.append(baseline.measure(options.duration, options, workdir, n_round))
+            alone = baseline.measure(options.duration, options, workdir, n_round)
+            results.append(_reported(alone, n_round))
         for name in others:
             with ExitStack() as stack:
                 side = _Side.start(stack, name, db, env, options, workdir, context)
@@ -320,15 +321,21 @@ def run_scenarios(
                     for one in (baseline, side) if i % 2 == 0 else (side, baseline):
                         sliced[one.name].append(one.measure(seconds, options, workdir, n_round))
             for one in (baseline, side):
-                result = _combined(sliced[one.name], against=name)
-                results.append(result)
-                print(
-                    f"  round {n_round} {db:10} {one.name:18} {result.rps:8.0f} req/s  "
-                    f"p50 {result.p50_ms:.1f} ms  CPU {result.cpu_ms_per_request:.2f} ms/request"
-                    + (f"  (beside {name})" if one is baseline else ""),
-                    flush=True,
-                )
+                results.append(_reported(_combined(sliced[one.name], against=name), n_round))
     return results
+
+
+def _reported(result: Result, n_round: int) -> Result:
+    """Print one run's line as the bench goes; return it."""
+    beside = ""
+    if result.scenario == "baseline" and result.against:
+        beside = f"  (beside {result.against})"
+    print(
+        f"  round {n_round} {result.db:10} {result.scenario:18} {result.rps:8.0f} req/s  "
+        f"p50 {result.p50_ms:.1f} ms  CPU {result.cpu_ms_per_request:.2f} ms/request{beside}",
+        flush=True,
+    )
+    return result
 
 
 @dataclass
