@@ -49,6 +49,10 @@ _ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 class JetStreamConsumer(batch.Consumer):
     """Consume one JetStream stream (through a durable pull consumer) until ``stop`` is set."""
 
+    # Set while this consumer closes its own connection: nats-py's
+    # disconnect callback then reports no outage.
+    _closing = False
+
     def run(self) -> None:
         """Consume until stopped; reconnect and back off through outages."""
         asyncio.run(self._main())
@@ -83,11 +87,7 @@ class JetStreamConsumer(batch.Consumer):
             self.outage.recovered()
             await self._consume(nc, js, subscription)
         finally:
-            self._closing = True  # our own close is no outage
-            try:
-                await nc.close()
-            except _ERRORS:
-                pass
+            await self._close(nc)
 
     async def _connect(self) -> Any:
         """Connect; raise when no server answered within CONNECT_WAIT_SECONDS or on stop.
@@ -131,13 +131,16 @@ class JetStreamConsumer(batch.Consumer):
             connecting.result()  # raises what the connect raised
             return nc
         connecting.cancel()
-        self._closing = True
+        await self._close(nc)
+        cause = f": {last_error[0]}" if last_error else ""
+        raise TimeoutError(f"no NATS server answered within {CONNECT_WAIT_SECONDS} s{cause}")
+
+    async def _close(self, nc: Any) -> None:
+        self._closing = True  # our own close is no outage
         try:
             await nc.close()
         except (*_ERRORS, asyncio.CancelledError):
             pass
-        cause = f": {last_error[0]}" if last_error else ""
-        raise TimeoutError(f"no NATS server answered within {CONNECT_WAIT_SECONDS} s{cause}")
 
     async def _consume(self, nc: Any, js: Any, subscription: Any) -> None:
         # One batch is stored (and then settled) while the next one is
