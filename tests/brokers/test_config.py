@@ -35,34 +35,41 @@ def test_nats_source_defaults():
     )
 
 
-def test_url_secrets_are_redacted_in_reprs():
-    file = _parse(
-        orders={
-            "provider": "rabbitmq",
-            "url": URL,
-            "queue": "orders",
-            "forward": [{"name": "bus", "url": URL, "routing_key": "x"}],
-        }
-    )
-    assert "s3cret-pass" not in repr(file.brokers["orders"])
-    assert "s3cret-pass" not in repr(file.forwards["orders"])
-    assert file.brokers["orders"].safe_url == "amqp://guest:[redacted]@127.0.0.1:5672/%2F"
+NATS_TOKEN_URL = "nats://s3cret-token@127.0.0.1:4222"
 
 
-def test_a_nats_token_in_the_url_is_redacted_like_a_password():
-    # nats-py reads a user part without a password as the server's token.
-    token_url = "nats://s3cret-token@127.0.0.1:4222"
-    file = _parse(
-        payments={
-            "provider": "nats",
-            "url": token_url,
-            "stream": "PAYMENTS",
-            "forward": [{"name": "stream", "url": token_url, "subject": "events.x"}],
-        }
-    )
-    assert file.brokers["payments"].safe_url == "nats://[redacted]@127.0.0.1:4222"
-    assert "s3cret-token" not in repr(file.brokers["payments"])
-    assert "s3cret-token" not in repr(file.forwards["payments"])
+@pytest.mark.parametrize(
+    ("secret", "table", "safe_url"),
+    [
+        (
+            "s3cret-pass",
+            {
+                "provider": "rabbitmq",
+                "url": URL,
+                "queue": "orders",
+                "forward": [{"name": "bus", "url": URL, "routing_key": "x"}],
+            },
+            "amqp://guest:[redacted]@127.0.0.1:5672/%2F",
+        ),
+        (
+            # nats-py reads a user part without a password as the server's token.
+            "s3cret-token",
+            {
+                "provider": "nats",
+                "url": NATS_TOKEN_URL,
+                "stream": "PAYMENTS",
+                "forward": [{"name": "stream", "url": NATS_TOKEN_URL, "subject": "events.x"}],
+            },
+            "nats://[redacted]@127.0.0.1:4222",
+        ),
+    ],
+    ids=["amqp password", "nats token"],
+)
+def test_url_secrets_are_redacted_in_reprs(secret, table, safe_url):
+    file = _parse(source=table)
+    assert secret not in repr(file.brokers["source"])
+    assert secret not in repr(file.forwards["source"])
+    assert file.brokers["source"].safe_url == safe_url
 
 
 @pytest.mark.parametrize(
