@@ -1,4 +1,4 @@
-"""Throwaway databases for tests that must own theirs: outages, downgrades."""
+"""Throwaway databases for tests that must own theirs (outages, downgrades), and read-only ones."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -41,3 +42,15 @@ def throwaway_postgresql(prefix: str) -> Iterator[tuple[str, Engine, str]]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def read_only(db_url: str) -> dict[str, Any]:
+    """App settings that open this test's database read-only."""
+    if db_url.startswith("sqlite:///"):
+        path = db_url.removeprefix("sqlite:///")
+        return {"SQLALCHEMY_DATABASE_URI": f"sqlite:///file:{path}?mode=ro&uri=true"}
+    return {
+        "SQLALCHEMY_ENGINE_OPTIONS": {
+            "connect_args": {"connect_timeout": 5, "options": "-c default_transaction_read_only=on"}
+        }
+    }

@@ -48,6 +48,7 @@ from webhook_receiver.webhooks.providers import PROVIDERS, redacted_headers
 
 from .admin.conftest import PASSWORD, conflict, csrf_token, delivery, event, login
 from .conftest import CLIENTS, bearer
+from .databases import read_only
 from .servers import gunicorn
 from .test_idempotency import make_test_blueprint
 from .webhooks import signing as s
@@ -502,18 +503,6 @@ def test_same_key_and_body_on_two_idempotent_paths_is_a_mismatch(make_app) -> No
 
 
 # -- readiness means taking writes ---------------------------------------------
-
-
-def read_only(db_url: str) -> dict[str, Any]:
-    """App settings that open this test's database read-only."""
-    if db_url.startswith("sqlite:///"):
-        path = db_url.removeprefix("sqlite:///")
-        return {"SQLALCHEMY_DATABASE_URI": f"sqlite:///file:{path}?mode=ro&uri=true"}
-    return {
-        "SQLALCHEMY_ENGINE_OPTIONS": {
-            "connect_args": {"connect_timeout": 5, "options": "-c default_transaction_read_only=on"}
-        }
-    }
 
 
 def test_readyz_is_503_while_the_database_refuses_writes(make_app, db_url) -> None:

@@ -33,10 +33,9 @@ from typing import Any
 import requests
 from flask import Flask
 from sqlalchemy import select
-from sqlalchemy.exc import OperationalError
 
 from ..config import ConfigError
-from ..database import unit_of_work
+from ..database import is_unavailable, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
 from . import backoff, deliveries, forwarding, ordering, registry
@@ -121,20 +120,23 @@ class Worker:
                     try:
                         outcome = self.run_once()
                         pause = self.poll_seconds
-                    except OperationalError as exc:
-                        # The database is away or locked for long: wait, then retry.
+                    except Exception as exc:
                         db.session.rollback()
-                        log.warning("worker database error, retrying: %s", exc.orig)
-                        self._stop.wait(pause)
-                        pause = min(pause * 2, 30.0)
-                        continue
-                    except Exception:
-                        # A bug must not stop every worker in turn: the claimed
-                        # delivery stays in progress, is claimed again when its
-                        # lease ends (counting an attempt) and goes dead at the
-                        # attempt limit.
-                        db.session.rollback()
-                        log.exception("worker %s: unexpected error", self.name)
+                        if is_unavailable(exc):
+                            # The database is away, locked or read-only (a
+                            # standby after a failover): wait, then retry.
+                            log.warning(
+                                "worker %s: database unavailable, retrying: %s",
+                                self.name,
+                                getattr(exc, "orig", None) or exc,
+                                extra={"worker": self.name, "outage": "database"},
+                            )
+                        else:
+                            # A bug must not stop every worker in turn: the
+                            # claimed delivery stays in progress, is claimed
+                            # again when its lease ends (counting an attempt)
+                            # and goes dead at the attempt limit.
+                            log.exception("worker %s: unexpected error", self.name)
                         self._stop.wait(pause)
                         pause = min(pause * 2, 30.0)
                         continue
