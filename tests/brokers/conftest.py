@@ -30,6 +30,7 @@ from sqlalchemy import func, select
 from webhook_receiver.brokers import runner
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
+from webhook_receiver.observability import metrics
 
 from ..conftest import CI
 from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
@@ -187,7 +188,7 @@ class Stream:
 
         async def go(nc: Any) -> None:
             js = nc.jetstream()
-            for name in (self.name, self.name + "_DEAD"):
+            for name in (self.name, self.name + "_DEAD", *self.created):
                 try:
                     await js.delete_stream(name)
                 except Exception:
@@ -214,17 +215,45 @@ class Stream:
 
         return self.run(go)
 
+    def delivered(self, durable: str = "webhook-receiver") -> int:
+        """How many deliveries the durable consumer has made, redeliveries included."""
+
+        async def go(nc: Any) -> int:
+            try:
+                info = await nc.jetstream().consumer_info(self.name, durable)
+            except nats.js.errors.NotFoundError:
+                return 0  # the consumer has not created it yet
+            return info.delivered.consumer_seq
+
+        return self.run(go)
+
+    def add_stream(self, suffix: str, subject: str) -> str:
+        """Create one more stream (``<name>_<suffix>``) on ``subject``, deleted with the others."""
+        name = f"{self.name}_{suffix}"
+
+        async def go(nc: Any) -> None:
+            await nc.jetstream().add_stream(StreamConfig(name=name, subjects=[subject]))
+
+        self.run(go)
+        self.created.append(name)
+        return name
+
     def dead_letters(self) -> list[Any]:
         """The messages stored on the dead-letter subject: (data, headers)."""
+        return self.messages("DEAD")
+
+    def messages(self, suffix: str) -> list[Any]:
+        """The messages stored in the stream ``<name>_<suffix>``: (data, headers)."""
+        name = f"{self.name}_{suffix}"
 
         async def go(nc: Any) -> list[Any]:
             js = nc.jetstream()
-            info = await js.stream_info(self.name + "_DEAD")
+            info = await js.stream_info(name)
             out = []
             for seq in range(info.state.first_seq, info.state.last_seq + 1):
                 if info.state.messages == 0:
                     break
-                msg = await js.get_msg(self.name + "_DEAD", seq)
+                msg = await js.get_msg(name, seq)
                 out.append((msg.data, msg.headers or {}))
             return out
 
@@ -399,3 +428,12 @@ def start_consume(
 
 
 __all__ = ["stop", "wait_until"]
+
+
+def dead_letter_count(app: Flask, source: str, reason: str) -> float:
+    """``webhook_receiver_broker_dead_letters_total`` of ``source`` for ``reason``."""
+    registry = app.extensions[metrics.EXTENSION].registry
+    labels = {"source": source, "reason": reason}
+    with app.app_context():  # the registry's collectors read the database too
+        value = registry.get_sample_value("webhook_receiver_broker_dead_letters_total", labels)
+    return value or 0

@@ -14,6 +14,9 @@ from .conftest import (
     stored_keys,
     wait_until,
 )
+from .conftest import (
+    dead_letter_count as dead_letters_counted,
+)
 
 SOURCE = "payments"
 
@@ -80,6 +83,7 @@ def test_conflicting_message_kept_and_dead_lettered_with_its_reason(make_app, je
     assert dead_headers["X-Shop"] == "a"
     assert dead_headers["Content-Type"] == "application/json"
     assert dead_headers["Dead-Letter-Msg-Id"] == "other"
+    assert dead_letters_counted(app, SOURCE, "conflict") == 1
 
 
 def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
@@ -92,6 +96,7 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
     [(data, headers)] = jetstream.dead_letters()
     assert data == b"no id here"
     assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
+    assert dead_letters_counted(app, SOURCE, "dedup-key-missing") == 1
 
 
 def test_without_dead_letter_subject_a_conflict_is_terminated(make_app, jetstream):
@@ -151,3 +156,32 @@ def test_a_conflict_published_with_an_expected_sequence_is_still_dead_lettered(m
     assert data == body
     assert "Nats-Expected-Last-Subject-Sequence" not in dead_headers
     assert dead_headers["Dead-Letter-Msg-Id"] == "other"
+
+
+def test_dead_letter_that_could_not_be_published_comes_back_and_counts_once(
+    make_app, jetstream, monkeypatch
+):
+    from webhook_receiver.brokers import jetstream as consumer_module
+
+    monkeypatch.setattr(consumer_module, "DEAD_LETTER_RETRY_SECONDS", 0.3)
+    # No stream is bound to this subject yet: the copy's publish finds no responder.
+    nowhere = f"{jetstream.prefix}-nowhere"
+    app = _app(make_app, jetstream, dead_letter_subject=nowhere)
+
+    def dead_letter_count() -> float:
+        return dead_letters_counted(app, SOURCE, "dedup-key-missing")
+
+    jetstream.publish([("paid", b"no id here", {})])
+    with consuming(app, SOURCE):
+        # Tried and retried, never settled: not counted as dead-lettered.
+        assert wait_until(lambda: jetstream.delivered() >= 3, 30)
+        assert dead_letter_count() == 0
+        assert jetstream.pending()[1] == 1
+        jetstream.add_stream("NOWHERE", nowhere)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+        assert wait_until(lambda: dead_letter_count() == 1, 10)
+    assert count_events(app) == 0
+    [(data, headers)] = jetstream.messages("NOWHERE")
+    assert data == b"no id here"
+    assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
+    assert dead_letter_count() == 1

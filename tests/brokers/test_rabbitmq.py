@@ -11,6 +11,7 @@ from .conftest import (
     consuming,
     count_conflicts,
     count_events,
+    dead_letter_count,
     duplicate_total,
     rabbit_source,
     stored_keys,
@@ -67,6 +68,7 @@ def test_conflicting_message_kept_and_dead_lettered_unchanged(make_app, amqp_que
     assert props.content_type == "application/json"
     assert props.headers["x-shop"] == "a"
     assert amqp_queue.ready() == 0
+    assert dead_letter_count(app, SOURCE, "conflict") == 1
 
 
 def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
@@ -81,6 +83,7 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
     assert body == b'{"order": 7}'
     assert props.headers["x-death"][0]["reason"] == "rejected"
     assert amqp_queue.ready() == 0
+    assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
 
 
 @pytest.mark.parametrize("spec", ["header:x-event-id", "json:/id"])

@@ -127,22 +127,13 @@ def _verdict(outcome: Outcome | Verdict) -> Verdict:
 
 
 def _count(source: str, verdicts: list[Verdict]) -> None:
-    # Counted per batch: one increment per counter rather than one per message.
+    # What the commit decided, counted per batch: one increment per counter
+    # rather than one per message. Dead letters count once settled (see
+    # Consumer.dead_lettered).
     kinds = Counter(type(v.outcome) for v in verdicts)
     metrics.received(source, kinds[Accepted])
     metrics.duplicate(source, kinds[Duplicate])
     metrics.conflict(source, kinds[Conflict])
-    for verdict in verdicts:
-        if verdict.action == DEAD_LETTER:
-            metrics.broker_dead_letter(source, verdict.reason or "unknown")
-            if verdict.reason != CONFLICT:  # the inbox logged the conflict already
-                log.warning(
-                    "source %s: message dead-lettered: %s: %s",
-                    source,
-                    verdict.reason,
-                    verdict.detail,
-                    extra={"source": source, "outcome": "dead_letter", "reason": verdict.reason},
-                )
 
 
 class Consumer:
@@ -159,3 +150,28 @@ class Consumer:
         self.store: Callable[[BrokerSourceConfig, Prepared], list[Verdict]] = store
         # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
         self.settled = 0
+
+    def dead_lettered(self, verdicts: Sequence[Verdict]) -> None:
+        """Count and log messages now dead-lettered (after the nack, or the copy's publish).
+
+        Not when decided: a copy that could not be published leaves its
+        message to come back, and it would be counted again.
+        """
+        if not verdicts:
+            return
+        source = self.source.name
+        with self.app.app_context():
+            for verdict in verdicts:
+                metrics.broker_dead_letter(source, verdict.reason or "unknown")
+                if verdict.reason != CONFLICT:  # the inbox logged the conflict already
+                    log.warning(
+                        "source %s: message dead-lettered: %s: %s",
+                        source,
+                        verdict.reason,
+                        verdict.detail,
+                        extra={
+                            "source": source,
+                            "outcome": "dead_letter",
+                            "reason": verdict.reason,
+                        },
+                    )

@@ -35,6 +35,9 @@ FETCH_WAIT_SECONDS = 0.25
 # How long a first connect may try before the consumer backs off (and
 # looks at its stop flag).
 CONNECT_WAIT_SECONDS = 5
+# How long a message whose dead-letter copy could not be published waits
+# before it comes back (to be dead-lettered again).
+DEAD_LETTER_RETRY_SECONDS = 5.0
 DEAD_LETTER_REASON = "Dead-Letter-Reason"
 # The dead letter's own Nats-Msg-Id is derived from the stream sequence, so a
 # republish after a crash is dropped by JetStream's duplicate window; the
@@ -216,15 +219,18 @@ class JetStreamConsumer(batch.Consumer):
             await self._pause(delay)
             return
         self.outage.recovered()
+        dead: list[batch.Verdict] = []
         for message, verdict in zip(taken, verdicts, strict=True):
             if verdict.action == batch.ACK:
                 await message.ack()
             elif await self._dead_letter(js, message, verdict):
                 await message.term()
+                dead.append(verdict)
             else:
-                await message.nak(delay=5)
+                await message.nak(delay=DEAD_LETTER_RETRY_SECONDS)
         await nc.flush()
         self.settled += len(messages)
+        self.dead_lettered(dead)
 
     def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
         prepared = self.prepare(self.source, deliveries)

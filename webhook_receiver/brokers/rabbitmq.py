@@ -212,6 +212,7 @@ class RabbitConsumer(batch.Consumer):
             return False
         self.outage.recovered()
         run_end: int | None = None
+        dead: list[batch.Verdict] = []
         for (method, _props, _body), verdict in zip(taken, verdicts, strict=True):
             tag = method.delivery_tag
             if verdict.action == batch.ACK:
@@ -221,9 +222,11 @@ class RabbitConsumer(batch.Consumer):
                 channel.basic_ack(delivery_tag=run_end, multiple=True)
                 run_end = None
             channel.basic_nack(delivery_tag=tag, multiple=False, requeue=False)
+            dead.append(verdict)
         if run_end is not None:
             channel.basic_ack(delivery_tag=run_end, multiple=True)
         self.settled += len(taken)
+        self.dead_lettered(dead)
         return True
 
     def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
