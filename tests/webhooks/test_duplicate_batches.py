@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -157,3 +158,98 @@ def test_zero_interval_writes_in_the_request(make_app):
     deliver(client)
     assert ledger(app).pending() == 0
     assert stored(app)[:2] == (1, 1)
+
+
+def _new_event(app, key: str) -> int:
+    with app.app_context():
+        event = Event(
+            source="stripe-live",
+            dedup_key=key,
+            fingerprint="f" * 64,
+            body=b"{}",
+            headers=[],
+            meta={},
+            received_at=utcnow(),
+            duplicate_count=0,
+        )
+        db.session.add(event)
+        db.session.commit()
+        return event.id
+
+
+def _counted(app, event_id: int) -> tuple[int, object, list[object]]:
+    """An event's duplicate count, last duplicate time, and its duplicates' times."""
+    with app.app_context():
+        event = db.session.get(Event, event_id)
+        times = db.session.scalars(
+            select(EventDuplicate.received_at)
+            .where(EventDuplicate.event_id == event_id)
+            .order_by(EventDuplicate.received_at)
+        ).all()
+        result = (event.duplicate_count, event.last_duplicate_at, list(times))
+        db.session.rollback()
+        return result
+
+
+def test_the_fast_path_writes_what_the_core_path_writes(app):
+    # PostgreSQL writes a batch as one statement over arrays; the Core
+    # statements are the reference (on SQLite both calls take them).
+    fast, core, gone = (_new_event(app, key) for key in ("evt_fast", "evt_core", "evt_gone"))
+    with app.app_context():
+        db.session.execute(delete(Event).where(Event.id == gone))
+        db.session.commit()
+    now = utcnow()
+    batches = [
+        [now, now - timedelta(seconds=5), now],  # one event twice at one time
+        [now - timedelta(seconds=60)],  # lands later with an older time
+        [now + timedelta(microseconds=1)],
+    ]
+    book = ledger(app)
+    for times in batches:
+        for event_id, fast_path in ((fast, True), (core, False)):
+            redeliveries = [duplicates.Redelivery(event_id, at) for at in times]
+            # An event purged meanwhile is skipped, not an error.
+            redeliveries.append(duplicates.Redelivery(gone, now))
+            book._write(redeliveries, fast=fast_path)
+    assert _counted(app, fast) == _counted(app, core)
+    count, last, times = _counted(app, fast)
+    assert (count, last) == (5, now + timedelta(microseconds=1))
+    assert times == sorted(at for batch in batches for at in batch)
+    with app.app_context():
+        orphans = db.session.scalar(
+            select(func.count()).select_from(EventDuplicate).where(EventDuplicate.event_id == gone)
+        )
+    assert orphans == 0
+
+
+def test_two_processes_batches_over_the_same_events_neither_deadlock_nor_lose_counts(make_app):
+    # Each app is a process's engine and ledger; both write batches over the
+    # same events in opposite orders. Rows are locked in id order, so
+    # neither waits for the other in a cycle.
+    apps = [make_app({"sources": s.SOURCES}, DUPLICATE_FLUSH_SECONDS=3600) for _ in range(2)]
+    ids = [_new_event(apps[0], f"evt_{n}") for n in range(60)]
+    rounds = 15
+    errors: list[BaseException] = []
+
+    def write(app, order) -> None:
+        try:
+            for _ in range(rounds):
+                now = utcnow()
+                ledger(app)._write([duplicates.Redelivery(i, now) for i in order])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=write, args=(apps[0], ids)),
+        threading.Thread(target=write, args=(apps[1], ids[::-1])),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    with apps[0].app_context():
+        counts = db.session.scalars(select(Event.duplicate_count).where(Event.id.in_(ids))).all()
+        rows = db.session.scalar(select(func.count()).select_from(EventDuplicate))
+    assert counts == [2 * rounds] * len(ids)
+    assert rows == 2 * rounds * len(ids)

@@ -6,7 +6,7 @@ wrappers) cost more CPU than the statements themselves (bench/README.md).
 A :class:`DriverStatement` keeps what matters of SQLAlchemy (it writes the
 SQL and converts each value through the columns' own types: JSON, UTC
 datetimes, arrays) and skips the rest. The contract tests in
-``tests/inbox/test_fast_paths.py`` hold it to that: a row stored through
+``tests/inbox/test_inbox.py`` hold it to that: a row stored through
 here equals the row the plain Core path stores.
 """
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from typing import cast
 
 from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
@@ -38,6 +39,7 @@ from ..background import BackgroundWriter
 from ..database import transaction
 from ..extensions import db
 from ..models import Event, EventDuplicate, UTCDateTime
+from .driver import driver_cursor
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,71 @@ _RECORD = insert(_duplicates).from_select(
         exists().where(_events.c.id == bindparam("r_id"))
     ),
 )
+
+
+# PostgreSQL: the same two writes as one statement over column arrays, its
+# own transaction. As executemany, each row's parameters cost more Python
+# (SQLAlchemy's and psycopg's, row by row) than the rest of a redelivery:
+# about 60 us of CPU each, in the thread of a process that also answers.
+# The events are locked in id order first, as the row-by-row UPDATE does;
+# a duplicate's row is written only for an event still there to count it.
+_PG_WRITE = """
+WITH locked AS MATERIALIZED (
+    SELECT e.id, c.n, c.at
+    FROM events AS e
+    JOIN unnest(%(ids)b::bigint[], %(ns)b::integer[], %(ats)b::timestamp[]) AS c(id, n, at)
+        ON c.id = e.id
+    ORDER BY e.id
+    FOR UPDATE OF e
+), counted AS (
+    UPDATE events AS e
+    SET duplicate_count = e.duplicate_count + l.n,
+        last_duplicate_at = CASE
+            WHEN e.last_duplicate_at IS NULL OR e.last_duplicate_at < l.at THEN l.at
+            ELSE e.last_duplicate_at
+        END
+    FROM locked AS l
+    WHERE e.id = l.id
+    RETURNING e.id
+)
+INSERT INTO event_duplicates (event_id, received_at)
+SELECT r.id, r.at
+FROM unnest(%(r_ids)b::bigint[], %(r_ats)b::timestamp[]) AS r(id, at)
+WHERE r.id IN (SELECT id FROM counted)
+"""
+
+
+def _write_arrays(
+    engine: Engine, ordered: list[tuple[int, tuple[int, datetime]]], batch: list[Redelivery]
+) -> None:
+    # The arrays go in binary: in text format psycopg quotes each time
+    # with a regex. A broker batch's redeliveries share their time: each
+    # distinct time is converted once.
+    naive: dict[datetime, datetime] = {}
+    for r in batch:
+        if r.received_at not in naive:
+            naive[r.received_at] = _naive_utc(r.received_at)
+    for _, (_, at) in ordered:
+        if at not in naive:
+            naive[at] = _naive_utc(at)
+    params = {
+        "ids": [event_id for event_id, _ in ordered],
+        "ns": [n for _, (n, _) in ordered],
+        "ats": [naive[at] for _, (_, at) in ordered],
+        "r_ids": [r.event_id for r in batch],
+        "r_ats": [naive[r.received_at] for r in batch],
+    }
+    with driver_cursor(engine) as cursor:
+        # Never prepared: a plan made while the table was small would scan it.
+        cursor.execute(_PG_WRITE, params, prepare=False)
+
+
+def _naive_utc(value: datetime) -> datetime:
+    # What UTCDateTime binds: the time in UTC, without its zone.
+    return cast(datetime, _UTC_BIND(value, None))
+
+
+_UTC_BIND = UTCDateTime().process_bind_param
 
 
 @dataclass(frozen=True)
@@ -122,19 +189,25 @@ class DuplicateLedger(BackgroundWriter):
                 return 0
             return len(batch)
 
-    def _write(self, batch: list[Redelivery]) -> None:
+    def _write(self, batch: list[Redelivery], *, fast: bool = True) -> None:
+        """Write one batch in one transaction.
+
+        ``fast=False`` takes the plain Core statements on PostgreSQL too
+        (the contract test compares the two).
+        """
         counts: dict[int, tuple[int, datetime]] = {}
         for r in batch:
             n, last = counts.get(r.event_id, (0, r.received_at))
             counts[r.event_id] = (n + 1, max(last, r.received_at))
+        # Rows locked in id order: two processes' batches never deadlock.
+        ordered = sorted(counts.items())
+        if fast and self.engine.dialect.name == "postgresql":
+            _write_arrays(self.engine, ordered, batch)
+            return
         # The UPDATE comes first: on SQLite a transaction must start with its
         # write (see database.py), and it orders this batch after a purge.
         with transaction(self.engine) as conn:
-            # Rows locked in id order: two processes' batches never deadlock.
-            conn.execute(
-                _COUNT,
-                [{"b_id": i, "b_n": n, "b_at": at} for i, (n, at) in sorted(counts.items())],
-            )
+            conn.execute(_COUNT, [{"b_id": i, "b_n": n, "b_at": at} for i, (n, at) in ordered])
             conn.execute(_RECORD, [{"r_id": r.event_id, "r_at": r.received_at} for r in batch])
 
     def _put_back(self, batch: list[Redelivery]) -> None:
