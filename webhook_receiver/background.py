@@ -41,7 +41,8 @@ class BackgroundWriter:
     def wake(self) -> None:
         """Something is pending: have it written within the flush interval."""
         self._start_thread()
-        self._due.set()
+        if not self._due.is_set():  # set() takes a lock even when it changes nothing
+            self._due.set()
 
     def close(self) -> None:
         """Stop the thread and write what is pending."""

@@ -27,9 +27,8 @@ its own request instead, before the answer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from datetime import datetime
-from typing import cast
+from typing import NamedTuple, cast
 
 from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
@@ -139,8 +138,9 @@ def _naive_utc(value: datetime) -> datetime:
 _UTC_BIND = UTCDateTime().process_bind_param
 
 
-@dataclass(frozen=True)
-class Redelivery:
+class Redelivery(NamedTuple):
+    """One redelivery answered: its event and when it came. A NamedTuple: built per message."""
+
     event_id: int
     received_at: datetime
 
@@ -157,11 +157,17 @@ class DuplicateLedger(BackgroundWriter):
 
     def record(self, event_id: int, received_at: datetime) -> None:
         """Note one redelivery of ``event_id``; it is written within the flush interval."""
+        self.record_many([Redelivery(event_id, received_at)])
+
+    def record_many(self, redeliveries: list[Redelivery]) -> None:
+        """Note a batch's redeliveries at once: one lock and one wake for all of them."""
+        if not redeliveries:
+            return
         if self.flush_seconds == 0:
-            self._write([Redelivery(event_id, received_at)])
+            self._write(redeliveries)
             return
         with self._lock:
-            self._pending.append(Redelivery(event_id, received_at))
+            self._pending.extend(redeliveries)
         self.wake()
 
     def pending(self) -> int:
@@ -230,6 +236,12 @@ def record(event_id: int, received_at: datetime) -> None:
     """Note a redelivery of ``event_id`` in the current app's ledger."""
     ledger: DuplicateLedger = current_app.extensions[EXTENSION]
     ledger.record(event_id, received_at)
+
+
+def record_many(redeliveries: list[Redelivery]) -> None:
+    """Note a batch's redeliveries in the current app's ledger."""
+    ledger: DuplicateLedger = current_app.extensions[EXTENSION]
+    ledger.record_many(redeliveries)
 
 
 def init_app(app: Flask) -> None:

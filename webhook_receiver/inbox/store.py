@@ -142,11 +142,13 @@ def receive_many(
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
     # A line per message at INFO: not even built when INFO is off (a consumer's batches).
     info = log.isEnabledFor(logging.INFO)
+    redeliveries = []
     for message, outcome in zip(messages, outcomes, strict=True):
         if isinstance(outcome, Duplicate):
-            duplicates.record(outcome.event_id, message.received_at or now)
+            redeliveries.append(duplicates.Redelivery(outcome.event_id, message.received_at or now))
         if info or isinstance(outcome, Conflict):
             _log_outcome(message, outcome)
+    duplicates.record_many(redeliveries)
     return outcomes
 
 
