@@ -220,17 +220,21 @@ class JetStreamConsumer(batch.Consumer):
             return
         self.outage.recovered()
         dead: list[batch.Verdict] = []
-        for message, verdict in zip(taken, verdicts, strict=True):
-            if verdict.action == batch.ACK:
-                await message.ack()
-            elif await self._dead_letter(js, message, verdict):
-                await message.term()
-                dead.append(verdict)
-            else:
-                await message.nak(delay=DEAD_LETTER_RETRY_SECONDS)
-        await nc.flush()
+        try:
+            for message, verdict in zip(taken, verdicts, strict=True):
+                if verdict.action == batch.ACK:
+                    await message.ack()
+                elif await self._dead_letter(js, message, verdict):
+                    await message.term()
+                    dead.append(verdict)
+                else:
+                    await message.nak(delay=DEAD_LETTER_RETRY_SECONDS)
+            await nc.flush()
+        finally:
+            # A copy published before a lost connection is dead-lettered all
+            # the same (a redelivery's copy is dropped as a duplicate).
+            self.dead_lettered(dead)
         self.settled += len(messages)
-        self.dead_lettered(dead)
 
     def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
         prepared = self.prepare(self.source, deliveries)

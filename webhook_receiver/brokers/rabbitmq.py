@@ -213,20 +213,23 @@ class RabbitConsumer(batch.Consumer):
         self.outage.recovered()
         run_end: int | None = None
         dead: list[batch.Verdict] = []
-        for (method, _props, _body), verdict in zip(taken, verdicts, strict=True):
-            tag = method.delivery_tag
-            if verdict.action == batch.ACK:
-                run_end = tag
-                continue
+        try:
+            for (method, _props, _body), verdict in zip(taken, verdicts, strict=True):
+                tag = method.delivery_tag
+                if verdict.action == batch.ACK:
+                    run_end = tag
+                    continue
+                if run_end is not None:
+                    channel.basic_ack(delivery_tag=run_end, multiple=True)
+                    run_end = None
+                channel.basic_nack(delivery_tag=tag, multiple=False, requeue=False)
+                dead.append(verdict)
             if run_end is not None:
                 channel.basic_ack(delivery_tag=run_end, multiple=True)
-                run_end = None
-            channel.basic_nack(delivery_tag=tag, multiple=False, requeue=False)
-            dead.append(verdict)
-        if run_end is not None:
-            channel.basic_ack(delivery_tag=run_end, multiple=True)
+        finally:
+            # Those nacked before a lost connection are dead-lettered all the same.
+            self.dead_lettered(dead)
         self.settled += len(taken)
-        self.dead_lettered(dead)
         return True
 
     def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
