@@ -220,6 +220,7 @@ class JetStreamConsumer(batch.Consumer):
             return
         self.outage.recovered()
         dead: list[batch.Verdict] = []
+        retried = 0
         try:
             for message, verdict in zip(taken, verdicts, strict=True):
                 if verdict.action == batch.ACK:
@@ -229,12 +230,13 @@ class JetStreamConsumer(batch.Consumer):
                     dead.append(verdict)
                 else:
                     await message.nak(delay=DEAD_LETTER_RETRY_SECONDS)
+                    retried += 1
             await nc.flush()
         finally:
             # A copy published before a lost connection is dead-lettered all
             # the same (a redelivery's copy is dropped as a duplicate).
             self.dead_lettered(dead)
-        self.settled += len(messages)
+        self.settled += len(messages) - retried
 
     def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
         prepared = self.prepare(self.source, deliveries)
