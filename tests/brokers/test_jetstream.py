@@ -9,13 +9,11 @@ from .conftest import (
     consuming,
     count_conflicts,
     count_events,
+    dead_letter_count,
     duplicate_total,
     nats_source,
     stored_keys,
     wait_until,
-)
-from .conftest import (
-    dead_letter_count as dead_letters_counted,
 )
 
 SOURCE = "payments"
@@ -83,7 +81,7 @@ def test_conflicting_message_kept_and_dead_lettered_with_its_reason(make_app, je
     assert dead_headers["X-Shop"] == "a"
     assert dead_headers["Content-Type"] == "application/json"
     assert dead_headers["Dead-Letter-Msg-Id"] == "other"
-    assert dead_letters_counted(app, SOURCE, "conflict") == 1
+    assert dead_letter_count(app, SOURCE, "conflict") == 1
 
 
 def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
@@ -96,7 +94,7 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
     [(data, headers)] = jetstream.dead_letters()
     assert data == b"no id here"
     assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
-    assert dead_letters_counted(app, SOURCE, "dedup-key-missing") == 1
+    assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
 
 
 def test_without_dead_letter_subject_a_conflict_is_terminated(make_app, jetstream):
@@ -167,21 +165,19 @@ def test_dead_letter_that_could_not_be_published_comes_back_and_counts_once(
     # No stream is bound to this subject yet: the copy's publish finds no responder.
     nowhere = f"{jetstream.prefix}-nowhere"
     app = _app(make_app, jetstream, dead_letter_subject=nowhere)
-
-    def dead_letter_count() -> float:
-        return dead_letters_counted(app, SOURCE, "dedup-key-missing")
+    missing_key = "dedup-key-missing"
 
     jetstream.publish([("paid", b"no id here", {})])
     with consuming(app, SOURCE):
         # Tried and retried, never settled: not counted as dead-lettered.
         assert wait_until(lambda: jetstream.delivered() >= 3, 30)
-        assert dead_letter_count() == 0
+        assert dead_letter_count(app, SOURCE, missing_key) == 0
         assert jetstream.pending()[1] == 1
         jetstream.add_stream("NOWHERE", nowhere)
         assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
-        assert wait_until(lambda: dead_letter_count() == 1, 10)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, missing_key) == 1, 10)
     assert count_events(app) == 0
     [(data, headers)] = jetstream.messages("NOWHERE")
     assert data == b"no id here"
     assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
-    assert dead_letter_count() == 1
+    assert dead_letter_count(app, SOURCE, missing_key) == 1

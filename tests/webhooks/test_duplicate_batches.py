@@ -75,20 +75,7 @@ def test_close_writes_what_is_pending(make_app):
 
 
 def test_counts_add_up_across_batches_and_keep_the_latest_time(app):
-    with app.app_context():
-        event = Event(
-            source="stripe-live",
-            dedup_key="evt_x",
-            fingerprint="f" * 64,
-            body=b"{}",
-            headers=[],
-            meta={},
-            received_at=utcnow(),
-            duplicate_count=0,
-        )
-        db.session.add(event)
-        db.session.commit()
-        event_id = event.id
+    event_id = _new_event(app, "evt_x")
     now = utcnow()
     book = ledger(app)
     book.record(event_id, now)

@@ -110,14 +110,8 @@ def _write_arrays(
 ) -> None:
     # The arrays go in binary: in text format psycopg quotes each time
     # with a regex. A broker batch's redeliveries share their time: each
-    # distinct time is converted once.
-    naive: dict[datetime, datetime] = {}
-    for r in batch:
-        if r.received_at not in naive:
-            naive[r.received_at] = _naive_utc(r.received_at)
-    for _, (_, at) in ordered:
-        if at not in naive:
-            naive[at] = _naive_utc(at)
+    # distinct time is converted once (the counted times are among them).
+    naive = {at: _naive_utc(at) for at in {r.received_at for r in batch}}
     params = {
         "ids": [event_id for event_id, _ in ordered],
         "ns": [n for _, (n, _) in ordered],
