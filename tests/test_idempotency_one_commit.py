@@ -3,9 +3,13 @@
 The claim, the event and the saved response are one transaction, so a
 request that dies anywhere before its commit leaves nothing behind, and a
 request racing it with the same key waits for that commit and answers from
-it. Each scenario pauses the real request right after one of its real
-writes (a hook that blocks, or ends the process) to make the interleaving
-certain rather than likely.
+it. Each scenario pauses the real request at a known point to make the
+interleaving certain rather than likely. On SQLite the transaction is the
+session's, and a hook pauses it right after one of its writes. On
+PostgreSQL the three writes are one statement (the view's event is held
+back until then, see inbox.holding), so the pause is inside that statement:
+a trigger makes its event INSERT wait for an advisory lock the test holds,
+after its record is written and before anything commits.
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ def engine_of(app: Flask) -> Engine:
         return db.engine
 
 
-# The request's two writes, in its one transaction: the view's event, then
-# the key's record with the saved answer. Hooked where the app calls them,
-# since both run on the driver, unseen by SQLAlchemy's statement events.
+# SQLite: the request's two writes, in its one transaction: the view's
+# event, then the key's record with the saved answer. Hooked where the app
+# calls them, since both run on the driver, unseen by SQLAlchemy's
+# statement events. (On PostgreSQL the first hook sees the view's event
+# held back, unwritten; the second is not called.)
 WRITES = {
     "event": (inbox, "add"),
     "record": (records, "save_in_transaction"),
@@ -120,7 +126,11 @@ def is_record_write(step: str) -> bool:
 
 
 def crash_after_the_event_insert(db_url: str, key: str) -> None:
-    """In a process of its own: POST an event and die (os._exit) right after its INSERT."""
+    """In a process of its own: POST an event and die (os._exit) right after the view adds it.
+
+    On SQLite the event is inserted, uncommitted; on PostgreSQL it is held
+    for the request's one statement, not yet sent.
+    """
     app = create_app(
         {
             "TESTING": True,
@@ -162,36 +172,92 @@ def test_a_process_dying_mid_transaction_leaves_the_key_free(app, db_url):
     assert stored(app) == (1, [("crash-key", COMPLETED)])
 
 
+# -- PostgreSQL: a request paused inside its one statement --------------------
+
+_GATE_LOCK = 730_001  # the advisory lock the paused statements wait for
+
+
+class StatementGate:
+    """PostgreSQL: every event INSERT waits, inside its statement, until ``release()``.
+
+    A trigger on ``events`` takes a shared advisory lock the gate holds
+    exclusively. An API request's one statement has then written its
+    record, uncommitted, and waits at its event: the interleaving a hook
+    between two statements gives on SQLite.
+    """
+
+    def __init__(self, db_url: str) -> None:
+        self.db_url = db_url
+        self.engine = create_engine(db_url, isolation_level="AUTOCOMMIT")
+        self.holder = self.engine.connect()
+
+    def __enter__(self) -> StatementGate:
+        self.holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _GATE_LOCK})
+        self.holder.execute(
+            text(
+                "CREATE FUNCTION wait_at_the_gate() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                # The request's own lock timeout must not end its wait here.
+                "BEGIN PERFORM set_config('lock_timeout', '0', true); "
+                f"PERFORM pg_advisory_lock_shared({_GATE_LOCK}); "
+                f"PERFORM pg_advisory_unlock_shared({_GATE_LOCK}); RETURN NEW; END $$"
+            )
+        )
+        self.holder.execute(
+            text(
+                "CREATE TRIGGER wait_at_the_gate BEFORE INSERT ON events "
+                "FOR EACH ROW EXECUTE FUNCTION wait_at_the_gate()"
+            )
+        )
+        return self
+
+    def release(self) -> None:
+        self.holder.execute(text("SELECT pg_advisory_unlock_all()"))
+
+    def waiting_backend(self) -> int:
+        """The pid of the one backend waiting at the gate."""
+        pids = self.holder.scalars(
+            text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
+        ).all()
+        assert len(pids) == 1, pids
+        return int(pids[0])
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.release()
+            self.holder.execute(text("DROP TRIGGER IF EXISTS wait_at_the_gate ON events"))
+            self.holder.execute(text("DROP FUNCTION IF EXISTS wait_at_the_gate()"))
+        finally:
+            self.holder.close()
+            self.engine.dispose()
+
+
 def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, db_url):
     if not db_url.startswith("postgresql"):
         pytest.skip("pg_terminate_backend is PostgreSQL's; the crash test covers SQLite")
     app = make_app(PROPAGATE_EXCEPTIONS=False)
-    admin = create_engine(db_url)
-    terminated: list[int] = []
+    pool = ThreadPoolExecutor(1)
+    with StatementGate(db_url) as gate:
+        first = pool.submit(post, app, "cut-key")
+        # Its statement has written the record and waits at its event.
+        assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
+        # The server ends the backend (as a failover or an operator would),
+        # mid-statement, before anything commits.
+        gate.holder.execute(
+            text("SELECT pg_terminate_backend(:pid)"), {"pid": gate.waiting_backend()}
+        )
+        answer = first.result(WAIT)
+    pool.shutdown()
+    assert answer.status_code == 503
+    assert answer.mimetype == "application/problem+json"
+    assert stored(app) == (0, [])
 
-    def terminate(step: str) -> None:
-        # After the event's INSERT, before the record's: the server ends the
-        # backend (as a failover or an operator would), mid-transaction.
-        if is_event_insert(step) and not terminated:
-            pid = db.session.connection().connection.driver_connection.info.backend_pid
-            with admin.connect() as other:
-                other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-            terminated.append(pid)
-
-    try:
-        with after_each_write(terminate):
-            first = post(app, "cut-key")
-        assert terminated
-        assert first.status_code == 503
-        assert first.mimetype == "application/problem+json"
-        assert stored(app) == (0, [])
-
-        retry = post(app, "cut-key")
-        assert retry.status_code == 201
-        assert "Idempotent-Replayed" not in retry.headers
-        assert stored(app) == (1, [("cut-key", COMPLETED)])
-    finally:
-        admin.dispose()
+    retry = post(app, "cut-key")
+    assert retry.status_code == 201
+    assert "Idempotent-Replayed" not in retry.headers
+    assert stored(app) == (1, [("cut-key", COMPLETED)])
 
 
 # -- racing requests with one key --------------------------------------------
@@ -251,8 +317,10 @@ def hold_the_first_and_race(
     app: Flask, db_url: str, key: str, second_body: dict[str, Any]
 ) -> tuple[Future[Any], Future[Any]]:
     """Hold a first request on its uncommitted record; start a second that meets it."""
+    if db_url.startswith("postgresql"):
+        return _race_inside_the_statement(app, db_url, key, second_body)
     # The first request holds its record's row, written but not committed
-    # (on SQLite, with the writers' turn, held since its event's insert).
+    # (with the writers' turn, held since its event's insert).
     first_paused = Paused(is_record_write)
     # Reading the key is a request's first use of a connection: when the
     # second request gives its first connection back, it has read the key.
@@ -266,10 +334,27 @@ def hold_the_first_and_race(
         # The second request read the key while the first's record was
         # uncommitted: it saw nothing, and goes on to write its own.
         assert second_read.reached.wait(WAIT)
-        if db_url.startswith("postgresql"):
-            # ...and waits on the first's row in the unique index.
-            assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
         first_paused.release()
+        first.result(WAIT)
+        second.result(WAIT)
+    pool.shutdown()
+    return first, second
+
+
+def _race_inside_the_statement(
+    app: Flask, db_url: str, key: str, second_body: dict[str, Any]
+) -> tuple[Future[Any], Future[Any]]:
+    pool = ThreadPoolExecutor(2)
+    with StatementGate(db_url) as gate:
+        first = pool.submit(post, app, key, BODY)
+        # The first's statement has written its record and waits at its event.
+        assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
+        second = pool.submit(post, app, key, second_body)
+        # The second read the key (nothing committed: it saw nothing), ran
+        # the view, and its statement waits on the first's row in the
+        # record's unique index.
+        assert wait_until(lambda: lock_waits(db_url) == 2, timeout=WAIT)
+        gate.release()
         first.result(WAIT)
         second.result(WAIT)
     pool.shutdown()
@@ -301,14 +386,13 @@ def test_waiting_past_the_lock_timeout_is_409_with_retry_after(make_app, db_url)
     if not db_url.startswith("postgresql"):
         pytest.skip("SQLite has no lock per key: a writer waits for the database (busy timeout)")
     app = make_app(IDEMPOTENCY_LOCK_TIMEOUT_SECONDS=0.05)
-    paused = Paused(is_record_write)
     pool = ThreadPoolExecutor(1)
-    with after_each_write(paused):
-        first = start(pool, app, "slow-key", BODY, paused)
-        assert paused.reached.wait(WAIT)
+    with StatementGate(db_url) as gate:
+        first = pool.submit(post, app, "slow-key")
+        assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
         # The first holds its uncommitted record for as long as this takes.
         waited = post(app, "slow-key")
-        paused.release()
+        gate.release()
         assert first.result(WAIT).status_code == 201
     pool.shutdown()
 

@@ -181,7 +181,8 @@ def unit_of_work(
     token = _PENDING_TURN.set(turn)
     try:
         yield session
-        session.commit()
+        if not untouched(session):
+            session.commit()
     except BaseException:
         session.rollback()
         raise
@@ -189,6 +190,21 @@ def unit_of_work(
         _PENDING_TURN.reset(token)
         if turn is not None:
             turn.release()
+
+
+def untouched(session: Session | scoped_session[Any]) -> bool:
+    """True if nothing went through ``session``: no transaction began, nothing is pending.
+
+    Its commit would write nothing; skipping it skips SQLAlchemy's
+    machinery too (a unit of work whose writes went past the session).
+    """
+    if isinstance(session, scoped_session):
+        if not session.registry.has():
+            return True  # not even made
+        current: Session = session()
+    else:
+        current = session
+    return not (current.in_transaction() or current.new or current.dirty or current.deleted)
 
 
 def _begun(session: Session | scoped_session[Any]) -> bool:

@@ -25,6 +25,11 @@ def parse_json_body(body: bytes) -> Any:
         raise Problem("invalid-json", str(exc)) from exc
 
 
+def _parsed(body: bytes) -> tuple[Any, bytes]:
+    payload = parse_json_body(body)
+    return payload, canonical_json(payload)
+
+
 @bp.post("/events")
 @require_client
 @idempotent
@@ -35,7 +40,8 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
         raise Problem("invalid-json", "send the event as Content-Type: application/json")
     if len(request.content_type or "") > 255:  # the column's length (PostgreSQL would 500)
         raise Problem("unsupported-media-type", "the Content-Type header is too long")
-    payload = parse_json_body(body)
+    # Parsed and made canonical once, by @idempotent's fingerprint.
+    payload, canonical = g.json_body if "json_body" in g else _parsed(body)
     if not isinstance(payload, dict):
         raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")
@@ -60,7 +66,7 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             # Retries are deduplicated by the Idempotency-Key record; the
             # event's own key only has to be unique and stable.
             dedup_key=uuid.uuid4().hex,
-            fingerprint=fingerprint([canonical_json(payload)]),
+            fingerprint=fingerprint([canonical]),
             body=body,
             event_type=event_type,
             content_type=request.content_type,

@@ -19,9 +19,11 @@ from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
 
-from ..database import unit_of_work
+from .. import inbox
+from ..database import unit_of_work, untouched
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
+from ..inbox.driver import one_connection
 from ..observability import metrics
 from ..problems import Problem, problem_response
 from . import records
@@ -40,11 +42,17 @@ _NEVER_REPLAYED = frozenset({"x-request-id", "x-correlation-id"})
 
 
 def request_fingerprint() -> str:
-    """Fingerprint the current request: method, path, query and the (canonical) body."""
+    """Fingerprint the current request: method, path, query and the (canonical) body.
+
+    A JSON body, once parsed, is left in ``g.json_body`` as (document,
+    canonical bytes), so the view need not parse and serialise it again.
+    """
     body = request.get_data(cache=True)
     if is_json_type(request.content_type):
         try:
-            body = canonical_json(loads(body))
+            document = loads(body)
+            body = canonical_json(document)
+            g.json_body = (document, body)
         except JSONError:
             pass  # not JSON after all: the raw bytes are the content
     query = urlencode(sorted(parse_qsl(request.query_string.decode("latin-1"), True)))
@@ -153,12 +161,14 @@ def _one_commit(req: records.Request, view: Callable[..., Any], args: Any, kwarg
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
     lock_timeout = float(config["IDEMPOTENCY_LOCK_TIMEOUT_SECONDS"])
     for _ in range(5):
-        # Read first: most requests that find a record are retries, and a
-        # lone read is their whole cost.
-        outcome = records.find(req, _now())
-        if outcome is not None:
-            return _answer(req, outcome)
-        response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+        # The read and (on PostgreSQL) the one-statement write share a connection.
+        with one_connection(db.engine):
+            # Read first: most requests that find a record are retries, and
+            # a lone read is their whole cost.
+            outcome = records.find(req, _now())
+            if outcome is not None:
+                return _answer(req, outcome)
+            response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
         if response is not None:
             return response
         # A racing request with the key committed first: answer from its record.
@@ -179,8 +189,10 @@ def _run_in_one_transaction(
         # One transaction: the view's writes, then the claim and the saved
         # answer in one statement. On SQLite the writers' turn is taken at
         # the view's first statement and held to the commit, so the view's
-        # reads and writes run under the write lock.
-        with unit_of_work():
+        # reads and writes run under the write lock. On PostgreSQL the
+        # view's new event is held back (inbox.holding): when it is all the
+        # view wrote, the event, the claim and the answer are one statement.
+        with inbox.holding() as held, unit_of_work():
             raised = False
             try:
                 rv = view(*args, **kwargs)
@@ -197,8 +209,15 @@ def _run_in_one_transaction(
                 # A view that raised keeps none of its writes: only its
                 # answer is saved.
                 session.rollback()
+                held.clear()
             saved = (response.status_code, _saved_headers(response), response.get_data())
-            if not records.save_in_transaction(req, saved, _now(), ttl, lock_timeout):
+            now = _now()
+            if len(held) == 1 and untouched(session):
+                claimed = records.save_with_event(req, saved, now, ttl, lock_timeout, held[0])
+            else:
+                inbox.write_held(held)
+                claimed = records.save_in_transaction(req, saved, now, ttl, lock_timeout)
+            if not claimed:
                 raise _KeyTaken()
     except _KeyTaken:
         return None

@@ -36,7 +36,9 @@ from ..database import (
     writer_turn,
 )
 from ..extensions import db
+from ..inbox import HeldEvent, receipt_binds
 from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
+from ..inbox.statements import receive_if
 from ..models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -182,6 +184,8 @@ class _DriverStatements:
     # Each column of ``_LOOKUP``'s conversion of the value read.
     find_processors: list[Any]
     upsert: DriverStatement
+    # PostgreSQL: the upsert with the view's one new event (save_with_event).
+    upsert_with_event: DriverStatement | None
 
 
 # Per engine: the tests run apps on both databases.
@@ -206,6 +210,11 @@ def _driver_statements(engine: Engine) -> _DriverStatements:
                 for column in _LOOKUP.selected_columns
             ],
             upsert=DriverStatement(_upsert_statement(dialect.name), dialect),
+            upsert_with_event=(
+                DriverStatement(receive_if(_upsert_statement(dialect.name).cte("claimed")), dialect)
+                if dialect.name == "postgresql"
+                else None
+            ),
         )
     return built
 
@@ -224,11 +233,57 @@ def save_in_transaction(
     transaction, which commits the view's writes with it. False if the key
     is taken: roll back, and answer from its record (``find``).
     """
+    values = _completed_values(req, response, now, ttl)
+    return _upsert(req, values, now, lock_timeout) is not None
+
+
+def save_with_event(
+    req: Request,
+    response: tuple[int, list[list[str]], bytes],
+    now: datetime,
+    ttl: timedelta,
+    lock_timeout: float,
+    event: HeldEvent,
+) -> bool:
+    """PostgreSQL: claim the key, save its response and write the view's event, in one statement.
+
+    For a view whose only write is one new event (``inbox.holding``): the
+    statement is its own transaction, so BEGIN and COMMIT cost no round
+    trips of their own. The event and its deliveries are written only if
+    the claim is; False if the key is taken (nothing was written). A
+    racing request's uncommitted claim is waited for as in ``_upsert``.
+    """
+    values = _completed_values(req, response, now, ttl)
+    params = {**values, "client": req.client, "key": req.key, "b_now": now}
+    params["b_lock_timeout"] = _lock_timeout_setting(lock_timeout)
+    params.update(receipt_binds(event))
+    statement = _driver_statements(db.engine).upsert_with_event
+    if statement is None:
+        raise RuntimeError("save_with_event is PostgreSQL's: on SQLite inbox.add writes at once")
+    try:
+        with driver_cursor(db.engine) as cursor:
+            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
+    except OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            raise KeyLocked() from exc
+        raise
+    return row[0] is not None
+
+
+def _completed_values(
+    req: Request, response: tuple[int, list[list[str]], bytes], now: datetime, ttl: timedelta
+) -> dict[str, Any]:
+    """The columns of a record completed with ``response`` at its claim."""
     status, headers, body = response
     values = _claim_values(req, None, now, timedelta(0), ttl)
     values.update(state=COMPLETED, lease_expires_at=None, completed_at=now)
     values.update(response_status=status, response_headers=headers, response_body=body)
-    return _upsert(req, values, now, lock_timeout) is not None
+    return values
+
+
+def _lock_timeout_setting(seconds: float) -> str:
+    # PostgreSQL's lock_timeout, in whole milliseconds (0 would mean none).
+    return f"{max(1, round(seconds * 1000))}ms"
 
 
 def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: float) -> int | None:
@@ -245,7 +300,7 @@ def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: f
     connection = db.session.connection()
     dialect = connection.dialect.name
     if dialect != "sqlite":
-        params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+        params["b_lock_timeout"] = _lock_timeout_setting(lock_timeout)
     statement = _driver_statements(connection.engine).upsert
     try:
         with transaction_cursor(connection) as cursor:

@@ -10,7 +10,9 @@ the redeliveries' bookkeeping.
 - :func:`receive_many` stores a batch in one transaction (the broker
   consumers' unit of work), one outcome per message.
 - :func:`add` writes a new event inside the caller's transaction, for an
-  intake whose unit of work holds more than the event.
+  intake whose unit of work holds more than the event; inside
+  :func:`holding` (PostgreSQL) it holds the event back instead, for the
+  caller to write in one statement with its own record.
 
 See docs/architecture.md for the layers and the commit points.
 """
@@ -22,7 +24,17 @@ from flask import Flask
 from . import duplicates
 from .driver import FastPathError
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
-from .store import EXTENSION, Routes, add, receive, receive_many
+from .store import (
+    EXTENSION,
+    HeldEvent,
+    Routes,
+    add,
+    holding,
+    receipt_binds,
+    receive,
+    receive_many,
+    write_held,
+)
 
 __all__ = [
     "Accepted",
@@ -30,13 +42,17 @@ __all__ = [
     "Conflict",
     "Duplicate",
     "FastPathError",
+    "HeldEvent",
     "Message",
     "Outcome",
     "Routes",
     "add",
+    "holding",
     "init_app",
+    "receipt_binds",
     "receive",
     "receive_many",
+    "write_held",
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
@@ -86,23 +87,65 @@ def driver_cursor(engine: Engine) -> Iterator[Any]:
     SQLite driver runs in autocommit mode, see database._on_sqlite_connect;
     psycopg is switched to it for the block). Driver errors come out as
     SQLAlchemy's, so a database that is away or locked is a 503 like
-    everywhere else, and a dead connection leaves the pool.
+    everywhere else, and a dead connection leaves the pool. Inside
+    ``one_connection`` the block's connection serves every cursor.
     """
-    postgresql = engine.dialect.name == "postgresql"
-    pooled = None
-    try:
+    pinned = _PINNED.get()
+    if pinned is not None and pinned[0] is engine:
+        pooled = pinned[1]
         with driver_errors(engine, lambda: pooled):
-            pooled = engine.raw_connection()  # a refused connection raises here too
-            driver = pooled.driver_connection
-            if postgresql:
-                driver.autocommit = True  # type: ignore[union-attr]
-            cursor = driver.cursor()  # type: ignore[union-attr]
+            cursor = pooled.driver_connection.cursor()
+            try:
+                yield cursor
+            finally:
+                cursor.close()
+        return
+    with _autocommit_connection(engine) as pooled:
+        with driver_errors(engine, lambda: pooled):
+            cursor = pooled.driver_connection.cursor()
             try:
                 yield cursor
             finally:
                 # Closing ends the statement: on SQLite an autocommitted
                 # statement commits only once it is finished.
                 cursor.close()
+
+
+@contextmanager
+def one_connection(engine: Engine) -> Iterator[None]:
+    """Serve every ``driver_cursor`` of the block from one pooled connection.
+
+    For a unit of work made of lone statements (the API's read of its key,
+    then its one-statement write): one pool checkout, not one each. Only
+    on PostgreSQL, where that unit of work is made so (``inbox.holding``);
+    on SQLite the block's cursors are taken one by one, as outside it.
+    """
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with _autocommit_connection(engine) as pooled:
+        token = _PINNED.set((engine, pooled))
+        try:
+            yield
+        finally:
+            _PINNED.reset(token)
+
+
+# The connection of the innermost ``one_connection`` block, with its engine.
+_PINNED: ContextVar[tuple[Engine, Any] | None] = ContextVar("pinned_connection", default=None)
+
+
+@contextmanager
+def _autocommit_connection(engine: Engine) -> Iterator[Any]:
+    """A pooled driver connection in autocommit mode, for the block."""
+    postgresql = engine.dialect.name == "postgresql"
+    pooled = None
+    try:
+        with driver_errors(engine, lambda: pooled):
+            pooled = engine.raw_connection()  # a refused connection raises here too
+            if postgresql:
+                pooled.driver_connection.autocommit = True  # type: ignore[union-attr]
+        yield pooled
     finally:
         if pooled is not None:
             if postgresql and pooled.is_valid:

@@ -283,6 +283,44 @@ def _receive_statement() -> Any:
         .returning(events.c.id)
         .cte("inserted")
     )
+    enqueued = _enqueue(inserted)
+    return select(
+        select(stored.c.id).scalar_subquery().label("stored_id"),
+        select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
+        select(inserted.c.id).scalar_subquery().label("event_id"),
+        select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
+    )
+
+
+def receive_if(guard: Any) -> Any:
+    """PostgreSQL: one new event (its id given) and its deliveries, if ``guard`` has a row.
+
+    ``guard`` is a CTE of the caller's own write (the Idempotency-Key
+    record's claim); the statement selects its id, None when it wrote
+    nothing, and then writes nothing else either. The event's key must be
+    new: a taken one fails the whole statement (no ``ON CONFLICT``), so an
+    answer never names an event that was not written.
+    """
+    names = ["id", *EVENT_COLUMNS]
+    new_row = select(*[bindparam(f"v_{name}", type_=events.c[name].type) for name in names]).where(
+        select(guard.c.id).exists()
+    )
+    inserted = (
+        postgresql.insert(events).from_select(names, new_row).returning(events.c.id).cte("inserted")
+    )
+    enqueued = _enqueue(inserted)
+    return select(
+        select(guard.c.id).scalar_subquery().label("guard_id"),
+        select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
+    )
+
+
+def _enqueue(inserted: Any) -> Any:
+    """The deliveries (the outbox) of the event ``inserted`` returns, as a CTE.
+
+    One per element of the ``v_consumers`` and ``v_kinds`` arrays, with the
+    ``d_`` defaults of a new delivery.
+    """
     wanted = (
         func.unnest(
             bindparam("v_consumers", type_=postgresql.ARRAY(String())),
@@ -291,7 +329,7 @@ def _receive_statement() -> Any:
         .table_valued("consumer", "kind")
         .render_derived(name="wanted")
     )
-    enqueued = (
+    return (
         insert(deliveries)
         .from_select(
             ["event_id", "consumer", "kind", *DELIVERY_DEFAULTS],
@@ -307,12 +345,6 @@ def _receive_statement() -> Any:
         )
         .returning(deliveries.c.id)
         .cte("enqueued")
-    )
-    return select(
-        select(stored.c.id).scalar_subquery().label("stored_id"),
-        select(stored.c.fingerprint).scalar_subquery().label("stored_fingerprint"),
-        select(inserted.c.id).scalar_subquery().label("event_id"),
-        select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
     )
 
 

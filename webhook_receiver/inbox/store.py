@@ -11,7 +11,13 @@ review in ``event_conflicts``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -324,11 +330,19 @@ def add(message: Message, *, fast: bool = True) -> int | None:
     The event's INSERT runs on the driver in that transaction (on
     PostgreSQL, with deliveries, the one-statement receipt); ``fast=False``
     takes the plain Core statements instead.
+
+    Inside ``holding()`` on PostgreSQL nothing is written yet: the event's
+    id is reserved and returned, and the event is held for the caller.
     """
     statements = for_engine(db.engine)
-    conn = db.session.connection()
     values = event_values(message, message.received_at or utcnow())
     consumers = _routes()(message.source, message.event_type)
+    held = _HELD.get()
+    if held is not None and fast:
+        values["id"] = _reserve_event_id(db.engine)
+        held.append(HeldEvent(values, consumers))
+        return int(values["id"])
+    conn = db.session.connection()
     if fast and consumers and statements.dialect_name == "postgresql":
         with transaction_cursor(conn) as cursor:
             _stored, event_id = _postgresql_receipt(cursor, statements, values, consumers)
@@ -346,6 +360,84 @@ def add(message: Message, *, fast: bool = True) -> int | None:
         _insert_deliveries(conn, statements, event_id, consumers, values["received_at"])
     # Not logged here: the caller's unit of work may still roll back; it logs its outcome.
     return event_id
+
+
+# -- events held back for the caller's own statement -----------------------------
+
+
+@dataclass(frozen=True)
+class HeldEvent:
+    """A new event ``add`` held back: its row, with its reserved id, and its consumers."""
+
+    values: dict[str, Any]
+    consumers: list[tuple[str, str]]
+
+
+_HELD: ContextVar[list[HeldEvent] | None] = ContextVar("inbox_held_events", default=None)
+
+
+@contextmanager
+def holding() -> Iterator[list[HeldEvent]]:
+    """Hold back the events ``add`` writes in the block, for the caller to write them.
+
+    On PostgreSQL a unit of work made of one new event and a record of the
+    caller's own (the Idempotency-Key API's) is then one autocommitted
+    statement, where BEGIN, two statements and COMMIT were four round
+    trips: the caller writes the held event with ``statements.receive_if``
+    and ``receipt_binds``, or, when its unit of work holds more, with
+    ``write_held`` in its transaction. On SQLite ``add`` writes at once, in
+    the writers' turn, and the list stays empty. A held event's key must
+    be new (the API's are fresh uuids): a taken one fails its write.
+    """
+    held: list[HeldEvent] = []
+    postgresql = db.engine.dialect.name == "postgresql"
+    token = _HELD.set(held if postgresql else None)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
+
+
+def receipt_binds(event: HeldEvent) -> dict[str, Any]:
+    """The parameters of a held event's write by ``statements.receive_if``."""
+    return _receipt_binds(event.values, event.consumers)
+
+
+def write_held(held: list[HeldEvent]) -> None:
+    """Write held events and their deliveries in the session's transaction."""
+    if not held:
+        return
+    statements = for_engine(db.engine)
+    conn = db.session.connection()
+    for event in held:
+        event_id = conn.execute(statements.insert_event, event.values).scalar()
+        if event_id is None:
+            raise RuntimeError(f"the held event's key was taken: {event.values['dedup_key']!r}")
+        _insert_deliveries(conn, statements, event_id, event.consumers, event.values["received_at"])
+
+
+# Ids taken from the events' sequence a block at a time, per engine and
+# process (a forked worker must not hand out its parent's). Unused ones
+# are gaps, as after any rolled-back insert; nothing relies on density.
+_IDS_PER_BLOCK = 50
+_RESERVED: weakref.WeakKeyDictionary[Engine, tuple[int, deque[int]]] = weakref.WeakKeyDictionary()
+_RESERVING = threading.Lock()
+
+
+def _reserve_event_id(engine: Engine) -> int:
+    """An events id no other writer will use (PostgreSQL)."""
+    with _RESERVING:
+        pid, ids = _RESERVED.get(engine, (0, deque()))
+        if pid != os.getpid() or not ids:
+            with driver_cursor(engine) as cursor:
+                cursor.execute(
+                    "SELECT nextval(pg_get_serial_sequence('events', 'id'))"
+                    " FROM generate_series(1, %s)",
+                    (_IDS_PER_BLOCK,),
+                )
+                ids = deque(row[0] for row in cursor.fetchall())
+            _RESERVED[engine] = (os.getpid(), ids)
+        return ids.popleft()
 
 
 # -- the paths of one message ------------------------------------------------
@@ -436,13 +528,8 @@ def _postgresql_receipt(
 ) -> tuple[_Stored | None, int | None]:
     """Run PostgreSQL's one-statement receipt on ``cursor``, in whatever transaction it is."""
     statement = statements.fast_receive
-    bind = {f"v_{name}": value for name, value in values.items()}
-    bind["v_consumers"] = [name for name, _ in consumers]
-    bind["v_kinds"] = [kind for _, kind in consumers]
-    for name, value in new_delivery_columns(values["received_at"]).items():
-        bind[f"d_{name}"] = value
     stored_id, stored_fingerprint, event_id, _enqueued = cursor.execute(
-        statement.sql, statement.params(bind)
+        statement.sql, statement.params(_receipt_binds(values, consumers))
     ).fetchone()
     if stored_id is not None:
         return _Stored(stored_id, stored_fingerprint), None
@@ -450,6 +537,16 @@ def _postgresql_receipt(
 
 
 # -- shared pieces --------------------------------------------------------------
+
+
+def _receipt_binds(values: dict[str, Any], consumers: list[tuple[str, str]]) -> dict[str, Any]:
+    """The parameters of PostgreSQL's one-statement receipts (``v_`` event, ``d_`` deliveries)."""
+    bind = {f"v_{name}": value for name, value in values.items()}
+    bind["v_consumers"] = [name for name, _ in consumers]
+    bind["v_kinds"] = [kind for _, kind in consumers]
+    for name, value in new_delivery_columns(values["received_at"]).items():
+        bind[f"d_{name}"] = value
+    return bind
 
 
 def _delivery_rows(
