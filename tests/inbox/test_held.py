@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from flask import Flask, g, jsonify
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
@@ -43,6 +43,7 @@ from .test_inbox import (
 
 NOW = datetime(2026, 12, 4, 9, 0, 0, 250000, tzinfo=UTC)
 TTL = timedelta(hours=24)
+EVENT = {"type": "order.created", "data": {"order": 42}}
 ANSWER = (201, [["Content-Type", "application/json"], ["Location", "/x/1"]], b'{"id":1}\n')
 
 
@@ -208,3 +209,35 @@ def test_a_view_that_refuses_after_adding_keeps_its_answer_not_its_event(make_ap
     replay = client.post("/test/refuse", headers=headers)
     assert replay.status_code == 400
     assert replay.headers["Idempotent-Replayed"] == "true"
+
+
+def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(make_app):
+    app = make_app(_config(forwards=False))
+    client = app.test_client()
+    with app.app_context():
+        if not _postgresql():
+            pytest.skip("SQLite reserves no ids: its events are written at once")
+    first = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "a"})
+    assert first.status_code == 201
+    taken = first.get_json()["id"] + 1  # the next id of this process's block
+    with app.app_context():
+        # The sequence went back (a restore): another writer got that id.
+        db.session.execute(
+            insert(Event).values(
+                id=taken,
+                source="elsewhere",
+                dedup_key="x",
+                fingerprint="0" * 64,
+                body=b"",
+                headers=[],
+                meta={},
+                received_at=NOW,
+                duplicate_count=0,
+            )
+        )
+        db.session.commit()
+    second = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "b"})
+    assert second.status_code == 201, second.get_data(as_text=True)
+    assert second.get_json()["id"] != taken
+    with app.app_context():
+        assert _count(Event) == 3 and _count(IdempotencyRecord) == 2

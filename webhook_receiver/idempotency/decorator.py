@@ -171,7 +171,8 @@ def _one_commit(req: records.Request, view: Callable[..., Any], args: Any, kwarg
             response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
         if response is not None:
             return response
-        # A racing request with the key committed first: answer from its record.
+        # A racing request with the key committed first (answer from its
+        # record), or the reserved event id was taken: read and run again.
     raise RuntimeError("idempotency key did not settle")  # pragma: no cover
 
 
@@ -219,7 +220,9 @@ def _run_in_one_transaction(
                 claimed = records.save_in_transaction(req, saved, now, ttl, lock_timeout)
             if not claimed:
                 raise _KeyTaken()
-    except _KeyTaken:
+    except (_KeyTaken, inbox.ReservedIdTaken):
+        # The key was taken (answer from its record), or the event's
+        # reserved id was (the sequence went back: run with a fresh one).
         return None
     except _NotSaved as unsaved:
         return unsaved.response

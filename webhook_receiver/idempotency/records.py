@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from sqlalchemy import and_, bindparam, delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult, Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from ..database import (
     autocommit_connection,
@@ -36,7 +36,7 @@ from ..database import (
     writer_turn,
 )
 from ..extensions import db
-from ..inbox import HeldEvent, receipt_binds
+from ..inbox import HeldEvent, check_reserved_id, receipt_binds
 from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
 from ..inbox.statements import receive_if
 from ..models import IdempotencyRecord
@@ -252,6 +252,8 @@ def save_with_event(
     trips of their own. The event and its deliveries are written only if
     the claim is; False if the key is taken (nothing was written). A
     racing request's uncommitted claim is waited for as in ``_upsert``.
+    Raises ``inbox.ReservedIdTaken`` (nothing written) if the event's
+    reserved id was handed out again by a sequence that went back.
     """
     values = _completed_values(req, response, now, ttl)
     params = {**values, "client": req.client, "key": req.key, "b_now": now}
@@ -266,6 +268,9 @@ def save_with_event(
     except OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
             raise KeyLocked() from exc
+        raise
+    except IntegrityError as exc:
+        check_reserved_id(db.engine, exc)  # ReservedIdTaken: run the view again
         raise
     return row[0] is not None
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from flask import current_app
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 
 from ..database import autocommit_connection, transaction, write_transaction, writer_turn
 from ..extensions import db
@@ -33,6 +34,7 @@ from . import duplicates
 from .driver import driver_cursor, transaction_cursor
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .statements import CONFLICT_COLUMNS, Statements, for_engine
+from .statements import events as events_table
 
 log = logging.getLogger(__name__)
 
@@ -422,6 +424,25 @@ def write_held(held: list[HeldEvent]) -> None:
 _IDS_PER_BLOCK = 50
 _RESERVED: weakref.WeakKeyDictionary[Engine, tuple[int, deque[int]]] = weakref.WeakKeyDictionary()
 _RESERVING = threading.Lock()
+
+
+class ReservedIdTaken(Exception):
+    """A held event's reserved id was taken: the events sequence went back.
+
+    A restore from a backup or a ``RESTART IDENTITY`` hands out again ids a
+    process had reserved before. The reservations are dropped; the caller
+    runs its unit of work again, with a fresh id.
+    """
+
+
+def check_reserved_id(engine: Engine, exc: IntegrityError) -> None:
+    """Raise ReservedIdTaken if ``exc`` is a held event's id found taken; else return."""
+    diag = getattr(exc.orig, "diag", None)
+    if getattr(diag, "constraint_name", None) != events_table.primary_key.name:
+        return
+    with _RESERVING:
+        _RESERVED.pop(engine, None)
+    raise ReservedIdTaken() from exc
 
 
 def _reserve_event_id(engine: Engine) -> int:
