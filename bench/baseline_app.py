@@ -8,9 +8,11 @@ and one commit with the same durability settings. Served by gunicorn exactly
 like ``wsgi:app``; the database URL comes from ``BENCH_DATABASE_URL``.
 
 ``/floor/api-unique`` is the same bare view sending the statements of a new
-Idempotency-Key and nothing else: a lone read of the key's record, then one
-transaction with the event's INSERT and the record's INSERT with its saved
-answer. It shows what the statements alone cost, whatever code sends them.
+Idempotency-Key and nothing else: a lone read of the key's record, then the
+event's INSERT and the record's INSERT with its saved answer, as the app
+sends them: on SQLite one transaction of the two, on PostgreSQL one
+autocommitted statement (the event written only if the record was). It
+shows what the statements alone cost, whatever code sends them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def create_app() -> Flask:
     floor_sql = [
         _driver_sql(str(t), engine.dialect.name) for t in (_FIND_RECORD, _INSERT, _INSERT_RECORD)
     ]
+    if postgresql:
+        # The record, then the event only if the record went in: one statement.
+        event_if_recorded = floor_sql[1].replace(" VALUES (", " SELECT ", 1).replace(
+            ") ON CONFLICT (source, dedup_key) DO NOTHING",
+            " WHERE EXISTS (SELECT 1 FROM recorded) ON CONFLICT (source, dedup_key) DO NOTHING",
+        )
+        one_statement = f"WITH recorded AS ({floor_sql[2]}) {event_if_recorded}"
 
     @app.post("/baseline")
     def insert() -> Response:
@@ -111,10 +120,12 @@ def create_app() -> Flask:
             cursor = driver.cursor()
             cursor.execute(floor_sql[0], values).fetchone()
             if postgresql:
+                cursor.execute(one_statement, values)  # its own transaction
                 driver.autocommit = False
-            cursor.execute(floor_sql[1], values)  # the driver begins the transaction
-            cursor.execute(floor_sql[2], values).fetchone()
-            pooled.commit()
+            else:
+                cursor.execute(floor_sql[1], values)  # the driver begins the transaction
+                cursor.execute(floor_sql[2], values).fetchone()
+                pooled.commit()
             cursor.close()
         finally:
             pooled.close()
