@@ -78,9 +78,13 @@ def create_app() -> Flask:
     ]
     if postgresql:
         # The record, then the event only if the record went in: one statement.
-        event_if_recorded = floor_sql[1].replace(" VALUES (", " SELECT ", 1).replace(
-            ") ON CONFLICT (source, dedup_key) DO NOTHING",
-            " WHERE EXISTS (SELECT 1 FROM recorded) ON CONFLICT (source, dedup_key) DO NOTHING",
+        event_if_recorded = (
+            floor_sql[1]
+            .replace(" VALUES (", " SELECT ", 1)
+            .replace(
+                ") ON CONFLICT (source, dedup_key) DO NOTHING",
+                " WHERE EXISTS (SELECT 1 FROM recorded) ON CONFLICT (source, dedup_key) DO NOTHING",
+            )
         )
         one_statement = f"WITH recorded AS ({floor_sql[2]}) {event_if_recorded}"
 

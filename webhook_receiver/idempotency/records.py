@@ -184,8 +184,10 @@ class _DriverStatements:
     # Each column of ``_LOOKUP``'s conversion of the value read.
     find_processors: list[Any]
     upsert: DriverStatement
-    # PostgreSQL: the upsert with the view's one new event (save_with_event).
+    # PostgreSQL: the upsert with the view's one new event (save_with_event),
+    # with its deliveries, and for an event no consumer takes.
     upsert_with_event: DriverStatement | None
+    upsert_with_lone_event: DriverStatement | None
 
 
 # Per engine: the tests run apps on both databases.
@@ -210,13 +212,17 @@ def _driver_statements(engine: Engine) -> _DriverStatements:
                 for column in _LOOKUP.selected_columns
             ],
             upsert=DriverStatement(_upsert_statement(dialect.name), dialect),
-            upsert_with_event=(
-                DriverStatement(receive_if(_upsert_statement(dialect.name).cte("claimed")), dialect)
-                if dialect.name == "postgresql"
-                else None
-            ),
+            upsert_with_event=_with_event(dialect, deliveries=True),
+            upsert_with_lone_event=_with_event(dialect, deliveries=False),
         )
     return built
+
+
+def _with_event(dialect: Any, *, deliveries: bool) -> DriverStatement | None:
+    if dialect.name != "postgresql":
+        return None
+    claimed = _upsert_statement(dialect.name).cte("claimed")
+    return DriverStatement(receive_if(claimed, deliveries=deliveries), dialect)
 
 
 def save_in_transaction(
@@ -259,7 +265,10 @@ def save_with_event(
     params = {**values, "client": req.client, "key": req.key, "b_now": now}
     params["b_lock_timeout"] = _lock_timeout_setting(lock_timeout)
     params.update(receipt_binds(event))
-    statement = _driver_statements(db.engine).upsert_with_event
+    statements = _driver_statements(db.engine)
+    statement = (
+        statements.upsert_with_event if event.consumers else statements.upsert_with_lone_event
+    )
     if statement is None:
         raise RuntimeError("save_with_event is PostgreSQL's: on SQLite inbox.add writes at once")
     try:

@@ -292,14 +292,16 @@ def _receive_statement() -> Any:
     )
 
 
-def receive_if(guard: Any) -> Any:
+def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     """PostgreSQL: one new event (its id given) and its deliveries, if ``guard`` has a row.
 
     ``guard`` is a CTE of the caller's own write (the Idempotency-Key
     record's claim); the statement selects its id, None when it wrote
     nothing, and then writes nothing else either. The event's key must be
     new: a taken one fails the whole statement (no ``ON CONFLICT``), so an
-    answer never names an event that was not written.
+    answer never names an event that was not written. ``deliveries=False``
+    leaves the outbox out, for an event no consumer takes: fewer parameters
+    to convert and a smaller plan.
     """
     names = ["id", *EVENT_COLUMNS]
     new_row = select(*[bindparam(f"v_{name}", type_=events.c[name].type) for name in names]).where(
@@ -308,10 +310,10 @@ def receive_if(guard: Any) -> Any:
     inserted = (
         postgresql.insert(events).from_select(names, new_row).returning(events.c.id).cte("inserted")
     )
-    enqueued = _enqueue(inserted)
+    written = _enqueue(inserted) if deliveries else inserted
     return select(
         select(guard.c.id).scalar_subquery().label("guard_id"),
-        select(func.count()).select_from(enqueued).scalar_subquery().label("enqueued"),
+        select(func.count()).select_from(written).scalar_subquery().label("written"),
     )
 
 

@@ -402,7 +402,7 @@ def holding() -> Iterator[list[HeldEvent]]:
 
 def receipt_binds(event: HeldEvent) -> dict[str, Any]:
     """The parameters of a held event's write by ``statements.receive_if``."""
-    return _receipt_binds(event.values, event.consumers)
+    return _receipt_binds(event.values, event.consumers, deliveries=bool(event.consumers))
 
 
 def write_held(held: list[HeldEvent]) -> None:
@@ -560,13 +560,16 @@ def _postgresql_receipt(
 # -- shared pieces --------------------------------------------------------------
 
 
-def _receipt_binds(values: dict[str, Any], consumers: list[tuple[str, str]]) -> dict[str, Any]:
+def _receipt_binds(
+    values: dict[str, Any], consumers: list[tuple[str, str]], *, deliveries: bool = True
+) -> dict[str, Any]:
     """The parameters of PostgreSQL's one-statement receipts (``v_`` event, ``d_`` deliveries)."""
     bind = {f"v_{name}": value for name, value in values.items()}
-    bind["v_consumers"] = [name for name, _ in consumers]
-    bind["v_kinds"] = [kind for _, kind in consumers]
-    for name, value in new_delivery_columns(values["received_at"]).items():
-        bind[f"d_{name}"] = value
+    if deliveries:
+        bind["v_consumers"] = [name for name, _ in consumers]
+        bind["v_kinds"] = [kind for _, kind in consumers]
+        for name, value in new_delivery_columns(values["received_at"]).items():
+            bind[f"d_{name}"] = value
     return bind
 
 
