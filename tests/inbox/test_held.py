@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from flask import Flask, g, jsonify
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select, text
 from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
@@ -67,6 +67,13 @@ def _record_row(key: str) -> dict[str, Any]:
     return values
 
 
+def _events_seen_elsewhere() -> int:
+    # Counted on a connection of its own: through the session, the count
+    # would begin its transaction, which writes the held events first.
+    with db.engine.connect() as conn:
+        return conn.scalar(select(func.count()).select_from(Event)) or 0
+
+
 def _postgresql() -> bool:
     return db.engine.dialect.name == "postgresql"
 
@@ -87,7 +94,7 @@ def test_a_held_event_is_written_with_its_record_as_the_transaction_path_writes_
             # PostgreSQL holds the event (its id reserved), SQLite writes it.
             assert len(held) == (1 if _postgresql() else 0)
             if held:
-                assert _count(Event) == 0
+                assert _events_seen_elsewhere() == 0
             assert _save(held, "key-held")
         with unit_of_work():
             reference_id = inbox.add(message("reference", **fields), fast=False)
@@ -141,7 +148,7 @@ def test_a_failed_outbox_insert_leaves_neither_the_event_nor_the_record(make_app
         assert (_count(Event), _count(Delivery), _count(IdempotencyRecord)) == (1, 2, 1)
 
 
-def test_reserved_ids_are_taken_again_in_a_forked_process(make_app, monkeypatch):
+def test_reserved_ids_are_taken_afresh_in_another_process(make_app, monkeypatch):
     app = make_app(_config(forwards=False))
     with app.app_context():
         if not _postgresql():
@@ -152,7 +159,8 @@ def test_reserved_ids_are_taken_again_in_a_forked_process(make_app, monkeypatch)
             return
         with inbox.holding():
             first = inbox.add(message("k1"))
-            # A forked worker inherits the parent's block: it must take its own.
+            # A forked worker inherits the parent's block: it must take its
+            # own (another pid stands for the fork here).
             monkeypatch.setattr(os, "getpid", lambda: -1)
             second = inbox.add(message("k2"))
         assert first is not None and second is not None
@@ -241,3 +249,68 @@ def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(m
     assert second.get_json()["id"] != taken
     with app.app_context():
         assert _count(Event) == 3 and _count(IdempotencyRecord) == 2
+
+
+def test_ids_reserved_before_the_sequence_went_back_are_not_used(make_app):
+    app = make_app(_config(forwards=False))
+    client = app.test_client()
+    with app.app_context():
+        if not _postgresql():
+            pytest.skip("SQLite reserves no ids: its events are written at once")
+    first = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "a"})
+    assert first.status_code == 201
+    with app.app_context():
+        # A restore to an empty database: the sequence starts again at 1,
+        # while this process still holds the rest of its block.
+        db.session.execute(text("TRUNCATE events, idempotency_records RESTART IDENTITY CASCADE"))
+        db.session.commit()
+    second = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "b"})
+    assert second.status_code == 201, second.get_data(as_text=True)
+    with app.app_context():
+        # Writers taking ids from the sequence meet none of this process's.
+        outcomes = [inbox.receive(message(f"plain-{i}")) for i in range(3)]
+        assert all(isinstance(outcome, inbox.Accepted) for outcome in outcomes)
+        ids = [second.get_json()["id"], *(outcome.event_id for outcome in outcomes)]
+        assert len(set(ids)) == 4 and _count(Event) == 4
+
+
+def _add_then_read_back() -> Any:
+    event_id = inbox.add(message(f"{g.client}-read", source="shop"))
+    stored = db.session.get(Event, event_id)  # the session's first use
+    assert stored is not None, "the held event was not written when the session began"
+    return jsonify({"id": event_id, "type": stored.event_type}), 201
+
+
+def test_a_view_that_reads_its_event_back_through_the_session_finds_it(make_app):
+    app = make_app(_config(forwards=True))
+    app.add_url_rule(
+        "/test/read-back",
+        "read_back",
+        require_client(idempotent(_add_then_read_back)),
+        methods=["POST"],
+    )
+    answer = app.test_client().post("/test/read-back", headers={**bearer(), "Idempotency-Key": "r"})
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert answer.get_json()["type"] == "order.paid"
+    with app.app_context():
+        assert (_count(Event), _count(Delivery), _count(IdempotencyRecord)) == (1, 2, 1)
+
+
+def test_a_new_api_key_is_written_by_the_dialects_path(make_app, monkeypatch):
+    # PostgreSQL: one statement (save_with_event); SQLite: the transaction
+    # (save_in_transaction). The other one fails here if it is taken.
+    app = make_app()
+    with app.app_context():
+        postgresql = _postgresql()
+
+    def not_this_path(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("the other path was taken")
+
+    unused = "save_in_transaction" if postgresql else "save_with_event"
+    monkeypatch.setattr(records, unused, not_this_path)
+    answer = app.test_client().post(
+        "/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "path"}
+    )
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    with app.app_context():
+        assert _count(Event) == 1 and _count(IdempotencyRecord) == 1

@@ -11,6 +11,7 @@ from flask import Blueprint, Response, abort, g, jsonify, request, url_for
 from .. import correlation, events, inbox
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import idempotent
+from ..idempotency.decorator import JSON_BODY
 from ..problems import Problem
 from .auth import require_client
 
@@ -41,7 +42,8 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
     if len(request.content_type or "") > 255:  # the column's length (PostgreSQL would 500)
         raise Problem("unsupported-media-type", "the Content-Type header is too long")
     # Parsed and made canonical once, by @idempotent's fingerprint.
-    payload, canonical = g.json_body if "json_body" in g else _parsed(body)
+    parsed = request.environ.get(JSON_BODY)
+    payload, canonical = parsed if parsed is not None else _parsed(body)
     if not isinstance(payload, dict):
         raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")

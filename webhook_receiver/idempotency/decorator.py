@@ -39,20 +39,23 @@ _REPLAYED_HEADERS = frozenset(
     {"content-type", "location", "etag", "link", "content-language", "last-modified"}
 )
 _NEVER_REPLAYED = frozenset({"x-request-id", "x-correlation-id"})
+# Where request_fingerprint leaves a JSON body it parsed, for the view.
+JSON_BODY = "webhook_receiver.json_body"
 
 
 def request_fingerprint() -> str:
     """Fingerprint the current request: method, path, query and the (canonical) body.
 
-    A JSON body, once parsed, is left in ``g.json_body`` as (document,
-    canonical bytes), so the view need not parse and serialise it again.
+    A JSON body, once parsed, is left in the request's environ under
+    ``JSON_BODY`` as (document, canonical bytes), so the view need not
+    parse and serialise it again.
     """
     body = request.get_data(cache=True)
     if is_json_type(request.content_type):
         try:
             document = loads(body)
             body = canonical_json(document)
-            g.json_body = (document, body)
+            request.environ[JSON_BODY] = (document, body)
         except JSONError:
             pass  # not JSON after all: the raw bytes are the content
     query = urlencode(sorted(parse_qsl(request.query_string.decode("latin-1"), True)))

@@ -36,9 +36,15 @@ from ..database import (
     writer_turn,
 )
 from ..extensions import db
-from ..inbox import HeldEvent, check_reserved_id, receipt_binds
+from ..inbox import (
+    HeldEvent,
+    ReservedIdTaken,
+    check_reserved_id,
+    forget_reserved_ids,
+    receipt_binds,
+)
 from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
-from ..inbox.statements import receive_if
+from ..inbox.statements import receive_if, reserved_id_is_current
 from ..models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -221,7 +227,8 @@ def _driver_statements(engine: Engine) -> _DriverStatements:
 def _with_event(dialect: Any, *, deliveries: bool) -> DriverStatement | None:
     if dialect.name != "postgresql":
         return None
-    claimed = _upsert_statement(dialect.name).cte("claimed")
+    # No claim with an event whose reserved id the sequence no longer covers.
+    claimed = _upsert_statement(dialect.name, only_if=reserved_id_is_current()).cte("claimed")
     return DriverStatement(receive_if(claimed, deliveries=deliveries), dialect)
 
 
@@ -281,7 +288,12 @@ def save_with_event(
     except IntegrityError as exc:
         check_reserved_id(db.engine, exc)  # ReservedIdTaken: run the view again
         raise
-    return row[0] is not None
+    claimed_id, _written, id_current = row
+    if claimed_id is None and not id_current:
+        # The sequence went back: nothing was written; again, with a fresh id.
+        forget_reserved_ids(db.engine)
+        raise ReservedIdTaken()
+    return claimed_id is not None
 
 
 def _completed_values(
@@ -333,8 +345,8 @@ _UPSERT_COLUMNS = (
 )
 
 
-def _upsert_statement(dialect: str) -> Any:
-    """The upsert of ``_upsert`` for this dialect."""
+def _upsert_statement(dialect: str, only_if: Any = None) -> Any:
+    """The upsert of ``_upsert`` for this dialect; on PostgreSQL, only if ``only_if`` holds."""
     params = {name: bindparam(name, type_=_t.c[name].type) for name in _UPSERT_COLUMNS}
     now = bindparam("b_now", type_=_t.c.expires_at.type)
     takeable = or_(
@@ -352,6 +364,8 @@ def _upsert_statement(dialect: str) -> Any:
         # SET LOCAL of its own would cost a round trip per new key.
         lock_timeout = func.set_config("lock_timeout", bindparam("b_lock_timeout"), True)
         row = select(*params.values()).where(lock_timeout.is_not(None))
+        if only_if is not None:
+            row = row.where(only_if)
         insert = pg_insert(_t).from_select(list(_UPSERT_COLUMNS), row)
     statement = insert.on_conflict_do_update(
         index_elements=["client", "key"],

@@ -20,6 +20,7 @@ See docs/architecture.md for the layers and the commit points.
 from __future__ import annotations
 
 from flask import Flask
+from sqlalchemy.orm import Session
 
 from . import duplicates
 from .driver import FastPathError
@@ -31,7 +32,9 @@ from .store import (
     Routes,
     add,
     check_reserved_id,
+    forget_reserved_ids,
     holding,
+    init_held,
     receipt_binds,
     receive,
     receive_many,
@@ -51,6 +54,7 @@ __all__ = [
     "Routes",
     "add",
     "check_reserved_id",
+    "forget_reserved_ids",
     "holding",
     "init_app",
     "receipt_binds",
@@ -64,3 +68,4 @@ def init_app(app: Flask, routes: Routes) -> None:
     """Give the app its inbox: ``routes`` names the consumers of a new event."""
     app.extensions[EXTENSION] = routes
     duplicates.init_app(app)
+    init_held(Session)

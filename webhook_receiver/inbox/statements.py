@@ -105,6 +105,8 @@ class Statements:
         elif dialect.name == "postgresql":
             self.fast_receive = DriverStatement(_receive_statement(), dialect)
             self.batch_insert = ColumnArrays(dialect)
+            # The last id the events sequence handed out (reserved ids are below it).
+            self.events_id_last_value = select(_sequence_last_value())
 
 
 class ColumnArrays:
@@ -273,9 +275,7 @@ def _receive_statement() -> Any:
         )
         .cte("stored")
     )
-    new_row = select(
-        *[bindparam(f"v_{name}", type_=events.c[name].type) for name in EVENT_COLUMNS]
-    ).where(~select(stored.c.id).exists())
+    new_row = select(*[_value(name) for name in EVENT_COLUMNS]).where(~select(stored.c.id).exists())
     inserted = (
         postgresql.insert(events)
         .from_select(list(EVENT_COLUMNS), new_row)
@@ -304,9 +304,7 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     to convert and a smaller plan.
     """
     names = ["id", *EVENT_COLUMNS]
-    new_row = select(*[bindparam(f"v_{name}", type_=events.c[name].type) for name in names]).where(
-        select(guard.c.id).exists()
-    )
+    new_row = select(*[_value(name) for name in names]).where(select(guard.c.id).exists())
     inserted = (
         postgresql.insert(events).from_select(names, new_row).returning(events.c.id).cte("inserted")
     )
@@ -314,7 +312,28 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     return select(
         select(guard.c.id).scalar_subquery().label("guard_id"),
         select(func.count()).select_from(written).scalar_subquery().label("written"),
+        reserved_id_is_current().label("id_current"),
     )
+
+
+def reserved_id_is_current() -> Any:
+    """PostgreSQL: true if the reserved id ``v_id`` is one the events sequence has handed out.
+
+    False once the sequence went back (a restore, a ``RESTART IDENTITY``):
+    the id would be handed out again, and the writer it goes to would meet
+    this event's row. A guard of ``receive_if`` writes nothing then.
+    """
+    return _value("id") <= _sequence_last_value()
+
+
+def _sequence_last_value() -> Any:
+    sequence = func.pg_get_serial_sequence("events", "id")
+    return func.pg_sequence_last_value(sequence.cast(postgresql.REGCLASS))
+
+
+def _value(name: str) -> Any:
+    # An events column's value in a one-statement receipt; the same bind wherever used.
+    return bindparam(f"v_{name}", type_=events.c[name].type)
 
 
 def _enqueue(inserted: Any) -> Any:

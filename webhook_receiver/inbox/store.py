@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from flask import current_app
+from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -405,17 +406,54 @@ def receipt_binds(event: HeldEvent) -> dict[str, Any]:
     return _receipt_binds(event.values, event.consumers, deliveries=bool(event.consumers))
 
 
-def write_held(held: list[HeldEvent]) -> None:
-    """Write held events and their deliveries in the session's transaction."""
+def write_held(held: list[HeldEvent], conn: Connection | None = None) -> None:
+    """Write held events and their deliveries in the session's transaction (or ``conn``'s).
+
+    Raises ReservedIdTaken, nothing written, if their ids were handed out
+    again (the sequence went back): the caller runs its unit of work anew.
+    """
     if not held:
         return
     statements = for_engine(db.engine)
-    conn = db.session.connection()
-    for event in held:
-        event_id = conn.execute(statements.insert_event, event.values).scalar()
-        if event_id is None:
-            raise RuntimeError(f"the held event's key was taken: {event.values['dedup_key']!r}")
-        _insert_deliveries(conn, statements, event_id, event.consumers, event.values["received_at"])
+    if conn is None:
+        conn = db.session.connection()  # its beginning writes them (_write_held_on_begin)
+        if not held:
+            return
+    last = conn.execute(statements.events_id_last_value).scalar()
+    if last is None or max(event.values["id"] for event in held) > last:
+        forget_reserved_ids(conn.engine)
+        raise ReservedIdTaken()
+    try:
+        for event in held:
+            values = event.values
+            event_id = conn.execute(statements.insert_event, values).scalar()
+            if event_id is None:
+                raise RuntimeError(f"a held event's key was taken: {values['dedup_key']!r}")
+            _insert_deliveries(conn, statements, event_id, event.consumers, values["received_at"])
+    except IntegrityError as exc:
+        check_reserved_id(conn.engine, exc)
+        raise
+    held.clear()
+
+
+def _write_held_on_begin(_session: Any, _transaction: Any, connection: Connection) -> None:
+    """The session's transaction begins inside ``holding()``: write the held events into it.
+
+    A view that goes on through the session may read its events or refer
+    to them (a foreign key): they must be there. Later ``add`` calls of the
+    block write at once, as outside it.
+    """
+    held = _HELD.get()
+    if held is None:
+        return
+    write_held(held, connection)
+    _HELD.set(None)
+
+
+def init_held(session_class: Any) -> None:
+    """Write held events into any session transaction that begins while they are held."""
+    if not sa_event.contains(session_class, "after_begin", _write_held_on_begin):
+        sa_event.listen(session_class, "after_begin", _write_held_on_begin)
 
 
 # Ids taken from the events' sequence a block at a time, per engine and
@@ -440,9 +478,14 @@ def check_reserved_id(engine: Engine, exc: IntegrityError) -> None:
     diag = getattr(exc.orig, "diag", None)
     if getattr(diag, "constraint_name", None) != events_table.primary_key.name:
         return
+    forget_reserved_ids(engine)
+    raise ReservedIdTaken() from exc
+
+
+def forget_reserved_ids(engine: Engine) -> None:
+    """Drop this process's reserved ids of ``engine``: the next are taken afresh."""
     with _RESERVING:
         _RESERVED.pop(engine, None)
-    raise ReservedIdTaken() from exc
 
 
 def _reserve_event_id(engine: Engine) -> int:
