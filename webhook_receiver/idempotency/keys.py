@@ -7,7 +7,7 @@ the header was sent twice and joined by the server, which is refused.
 
 from __future__ import annotations
 
-from werkzeug.datastructures import Headers
+from werkzeug.datastructures import EnvironHeaders, Headers
 
 from ..problems import Problem
 
@@ -17,7 +17,14 @@ MAX_LENGTH = 255
 
 def parse_key(headers: Headers, *, required: bool = True) -> str | None:
     """Return the request's Idempotency-Key, or raise the 400 problem."""
-    values = headers.getlist(HEADER)
+    if isinstance(headers, EnvironHeaders):
+        # A WSGI environ holds one value per header (the server joins
+        # repeats with commas, refused below): a lookup, not getlist's walk
+        # over every header of the request.
+        value = headers.get(HEADER)
+        values = [] if value is None else [value]
+    else:
+        values = headers.getlist(HEADER)
     if not values:
         if required:
             raise Problem("idempotency-key-missing", f"send an {HEADER} header with this request")
