@@ -234,6 +234,58 @@ class StatementGate:
             self.engine.dispose()
 
 
+def post_and_wait(db_url: str, key: str) -> None:
+    """In a process of its own: POST an event (the test kills this process meanwhile)."""
+    app = create_app(
+        {
+            "TESTING": True,
+            "SECRET_KEY": SECRET_KEY,
+            "SQLALCHEMY_DATABASE_URI": db_url,
+            "RECEIVER_CONFIG": {"clients": CLIENTS},
+        }
+    )
+    post(app, key)
+
+
+def test_a_process_killed_inside_its_one_statement_leaves_all_or_nothing(app, db_url):
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite's writes are a transaction: the crash test above covers it")
+    with StatementGate(db_url) as gate:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tests.test_idempotency_one_commit import "
+                "post_and_wait; post_and_wait(sys.argv[1], 'killed-key')",
+                db_url,
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            # Its statement has written the record and waits at its event.
+            assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
+            process.kill()  # SIGKILL: no rollback, no goodbye to the server
+            assert process.wait(WAIT) == -9
+        finally:
+            if process.poll() is None:  # pragma: no cover (the wait failed)
+                process.kill()
+        gate.release()
+        # The server goes on with the statement of a client that is gone.
+        assert wait_until(lambda: lock_waits(db_url) == 0, timeout=WAIT)
+    # One statement: the record and the event together, or neither.
+    assert wait_until(lambda: stored(app) in [(0, []), (1, [("killed-key", COMPLETED)])])
+    before = stored(app)
+    retry = post(app, "killed-key")
+    assert retry.status_code == 201
+    # The retry answers from what was committed: the saved answer, or a first run.
+    replayed = retry.headers.get("Idempotent-Replayed") == "true"
+    assert replayed == (before[0] == 1)
+    assert stored(app) == (1, [("killed-key", COMPLETED)])
+
+
 def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, db_url):
     if not db_url.startswith("postgresql"):
         pytest.skip("pg_terminate_backend is PostgreSQL's; the crash test covers SQLite")
