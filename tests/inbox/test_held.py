@@ -219,7 +219,8 @@ def test_a_view_that_refuses_after_adding_keeps_its_answer_not_its_event(make_ap
     assert replay.headers["Idempotent-Replayed"] == "true"
 
 
-def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(make_app):
+def _first_api_event_on_postgresql(make_app: Any) -> tuple[Flask, Any, Any]:
+    """An app on PostgreSQL (SQLite reserves no ids: skipped), its client, and a first 201."""
     app = make_app(_config(forwards=False))
     client = app.test_client()
     with app.app_context():
@@ -227,6 +228,11 @@ def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(m
             pytest.skip("SQLite reserves no ids: its events are written at once")
     first = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "a"})
     assert first.status_code == 201
+    return app, client, first
+
+
+def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(make_app):
+    app, client, first = _first_api_event_on_postgresql(make_app)
     taken = first.get_json()["id"] + 1  # the next id of this process's block
     with app.app_context():
         # The sequence went back (a restore): another writer got that id.
@@ -252,13 +258,7 @@ def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(m
 
 
 def test_ids_reserved_before_the_sequence_went_back_are_not_used(make_app):
-    app = make_app(_config(forwards=False))
-    client = app.test_client()
-    with app.app_context():
-        if not _postgresql():
-            pytest.skip("SQLite reserves no ids: its events are written at once")
-    first = client.post("/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "a"})
-    assert first.status_code == 201
+    app, client, first = _first_api_event_on_postgresql(make_app)
     with app.app_context():
         # A restore to an empty database: the sequence starts again at 1,
         # while this process still holds the rest of its block.

@@ -38,9 +38,8 @@ from ..database import (
 from ..extensions import db
 from ..inbox import (
     HeldEvent,
-    ReservedIdTaken,
     check_reserved_id,
-    forget_reserved_ids,
+    check_reserved_ids_current,
     receipt_binds,
 )
 from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
@@ -288,11 +287,11 @@ def save_with_event(
     except IntegrityError as exc:
         check_reserved_id(db.engine, exc)  # ReservedIdTaken: run the view again
         raise
-    claimed_id, _written, id_current = row
-    if claimed_id is None and not id_current:
-        # The sequence went back: nothing was written; again, with a fresh id.
-        forget_reserved_ids(db.engine)
-        raise ReservedIdTaken()
+    claimed_id, _written = row
+    if claimed_id is None:
+        # Nothing was written: the key is taken, or (ReservedIdTaken) the
+        # sequence went back below the event's id, which the claim refused.
+        check_reserved_ids_current(db.engine, [event])
     return claimed_id is not None
 
 

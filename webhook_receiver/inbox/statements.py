@@ -105,8 +105,15 @@ class Statements:
         elif dialect.name == "postgresql":
             self.fast_receive = DriverStatement(_receive_statement(), dialect)
             self.batch_insert = ColumnArrays(dialect)
-            # The last id the events sequence handed out (reserved ids are below it).
-            self.events_id_last_value = select(_sequence_last_value())
+            # Ids reserved for held events (inbox.holding), a block at a time,
+            # and the last id the sequence handed out (reserved ids are below it).
+            self.reserve_event_ids = DriverStatement(
+                select(func.nextval(_events_sequence())).select_from(
+                    func.generate_series(1, bindparam("b_count", type_=Integer()))
+                ),
+                dialect,
+            )
+            self.events_id_last_value = DriverStatement(select(_sequence_last_value()), dialect)
 
 
 class ColumnArrays:
@@ -312,7 +319,6 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     return select(
         select(guard.c.id).scalar_subquery().label("guard_id"),
         select(func.count()).select_from(written).scalar_subquery().label("written"),
-        reserved_id_is_current().label("id_current"),
     )
 
 
@@ -327,8 +333,12 @@ def reserved_id_is_current() -> Any:
 
 
 def _sequence_last_value() -> Any:
-    sequence = func.pg_get_serial_sequence("events", "id")
-    return func.pg_sequence_last_value(sequence.cast(postgresql.REGCLASS))
+    return func.pg_sequence_last_value(_events_sequence().cast(postgresql.REGCLASS))
+
+
+def _events_sequence() -> Any:
+    # The sequence behind events.id, by the column rather than by its name.
+    return func.pg_get_serial_sequence("events", "id")
 
 
 def _value(name: str) -> Any:

@@ -419,10 +419,7 @@ def write_held(held: list[HeldEvent], conn: Connection | None = None) -> None:
         conn = db.session.connection()  # its beginning writes them (_write_held_on_begin)
         if not held:
             return
-    last = conn.execute(statements.events_id_last_value).scalar()
-    if last is None or max(event.values["id"] for event in held) > last:
-        forget_reserved_ids(conn.engine)
-        raise ReservedIdTaken()
+    check_reserved_ids_current(conn.engine, held)
     try:
         for event in held:
             values = event.values
@@ -482,6 +479,16 @@ def check_reserved_id(engine: Engine, exc: IntegrityError) -> None:
     raise ReservedIdTaken() from exc
 
 
+def check_reserved_ids_current(engine: Engine, held: list[HeldEvent]) -> None:
+    """Raise ReservedIdTaken if the events sequence went back below a held event's id."""
+    last_value = for_engine(engine).events_id_last_value
+    with driver_cursor(engine) as cursor:
+        (last,) = cursor.execute(last_value.sql, last_value.params({})).fetchone()
+    if last is None or max(event.values["id"] for event in held) > last:
+        forget_reserved_ids(engine)
+        raise ReservedIdTaken()
+
+
 def forget_reserved_ids(engine: Engine) -> None:
     """Drop this process's reserved ids of ``engine``: the next are taken afresh."""
     with _RESERVING:
@@ -493,12 +500,9 @@ def _reserve_event_id(engine: Engine) -> int:
     with _RESERVING:
         pid, ids = _RESERVED.get(engine, (0, deque()))
         if pid != os.getpid() or not ids:
+            reserve = for_engine(engine).reserve_event_ids
             with driver_cursor(engine) as cursor:
-                cursor.execute(
-                    "SELECT nextval(pg_get_serial_sequence('events', 'id'))"
-                    " FROM generate_series(1, %s)",
-                    (_IDS_PER_BLOCK,),
-                )
+                cursor.execute(reserve.sql, reserve.params({"b_count": _IDS_PER_BLOCK}))
                 ids = deque(row[0] for row in cursor.fetchall())
             _RESERVED[engine] = (os.getpid(), ids)
         return ids.popleft()
