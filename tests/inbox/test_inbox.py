@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -350,8 +350,16 @@ def test_a_batch_and_a_single_receipt_racing_for_one_key_store_one_event(make_ap
         {},
         {"event_type": None, "content_type": None, "correlation_id": None, "meta": {}},
         {"headers": (), "body": b"", "client": "acme"},
+        {
+            # Escapes and characters beyond the BMP survive the JSON the
+            # batch is sent as; a time in another zone is stored as UTC.
+            "event_type": "type.\u00fc\U0001f600",
+            "headers": (("X-Quote", 'a"b\\c\n\u2028'),),
+            "meta": {"big": 2**63 - 1, "tiny": 1e-300, "emoji": "\U0001f600", "nested": [[{}]]},
+            "received_at": WHEN.astimezone(timezone(timedelta(hours=5, minutes=30))),
+        },
     ],
-    ids=["every-column", "nulls", "empty"],
+    ids=["every-column", "nulls", "empty", "escapes"],
 )
 def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fields):
     app = make_app(_config(forwards=True))
