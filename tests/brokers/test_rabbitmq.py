@@ -86,6 +86,54 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
     assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
 
 
+def _refuse_key(app, key: str) -> None:
+    """Make the database itself refuse the event under ``key`` (a trigger), as it might refuse a value."""
+    from sqlalchemy import text
+
+    from webhook_receiver.extensions import db
+
+    with app.app_context(), db.engine.begin() as conn:
+        if conn.dialect.name == "sqlite":
+            conn.execute(
+                text(
+                    "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
+                    f"WHEN NEW.dedup_key = '{key}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                )
+            )
+        else:
+            conn.execute(
+                text(
+                    "CREATE FUNCTION refuse_key() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    f"IF NEW.dedup_key = '{key}' THEN RAISE EXCEPTION 'refused'; END IF; "
+                    "RETURN NEW; END $$"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
+                    "FOR EACH ROW EXECUTE FUNCTION refuse_key()"
+                )
+            )
+
+
+def test_a_message_the_database_refuses_is_dead_lettered_and_its_batch_stored(make_app, amqp_queue):
+    # One batch: the database refuses it whole, then the messages are stored
+    # one by one, and only the refused one is dead-lettered (not the batch
+    # redelivered for ever).
+    app = _app(make_app, amqp_queue, prefetch=100)
+    _refuse_key(app, "msg-13")
+    amqp_queue.publish([_message(n) for n in range(20)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
+        assert wait_until(lambda: count_events(app) == 19, 30)
+    assert sorted(stored_keys(app)) == sorted(f"msg-{n}" for n in range(20) if n != 13)
+    [(props, body)] = amqp_queue.take_all(amqp_queue.dead)
+    assert props.message_id == "msg-13"
+    assert body == _message(13)[0]
+    assert amqp_queue.ready() == 0
+    assert dead_letter_count(app, SOURCE, "unstorable") == 1
+
+
 @pytest.mark.parametrize("spec", ["header:x-event-id", "json:/id"])
 def test_key_from_a_header_or_the_body(make_app, amqp_queue, spec):
     app = _app(make_app, amqp_queue, dedup_key=spec, event_type="json:/kind")

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from flask import Flask
 from sqlalchemy.exc import DBAPIError
@@ -45,13 +45,22 @@ class DatabaseUnavailable(Exception):
 class Verdict(NamedTuple):
     """How to settle one message of a batch: ack, or dead-letter with a reason.
 
-    A NamedTuple, one per message: immutable and cheap to build.
+    A NamedTuple: immutable, so every acknowledged message shares one.
     """
 
     action: str  # ACK | DEAD_LETTER
     reason: str | None = None
     detail: str | None = None
-    outcome: Outcome | None = None
+
+
+ACKNOWLEDGED = Verdict(ACK)
+_CONFLICTED = Verdict(DEAD_LETTER, CONFLICT, "dedup key reused with different content")
+# What the inbox's outcome of a stored message makes of it.
+_VERDICTS: dict[type, Verdict] = {
+    Accepted: ACKNOWLEDGED,
+    Duplicate: ACKNOWLEDGED,
+    Conflict: _CONFLICTED,
+}
 
 
 class Prepared(NamedTuple):
@@ -98,10 +107,11 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
         # every redelivery: store them one by one to find it.
         log.warning("source %s: a batch failed to store (%s); storing one by one", source.name, exc)
         outcomes = [_one(message) for message in messages]
+    _count(source.name, outcomes)
+    if len(outcomes) == len(verdicts):  # every delivery was stored: the usual batch
+        return [_verdict(outcome) for outcome in outcomes]
     stored = iter(outcomes)
-    result = [v if v is not None else _verdict(next(stored)) for v in verdicts]
-    _count(source.name, result)
-    return result
+    return [v if v is not None else _verdict(next(stored)) for v in verdicts]
 
 
 def _one(message: Message) -> Outcome | Verdict:
@@ -119,18 +129,15 @@ def _cause(exc: BaseException) -> str:
 
 
 def _verdict(outcome: Outcome | Verdict) -> Verdict:
-    if isinstance(outcome, Verdict):
-        return outcome
-    if isinstance(outcome, Conflict):
-        return Verdict(DEAD_LETTER, CONFLICT, "dedup key reused with different content", outcome)
-    return Verdict(ACK, outcome=outcome)
+    # A Verdict already: a message refused when stored on its own (_one).
+    return _VERDICTS.get(type(outcome)) or cast(Verdict, outcome)
 
 
-def _count(source: str, verdicts: list[Verdict]) -> None:
+def _count(source: str, outcomes: Sequence[Outcome | Verdict]) -> None:
     # What the commit decided, counted per batch: one increment per counter
     # rather than one per message. Dead letters count once settled (see
     # Consumer.dead_lettered).
-    kinds = Counter(type(v.outcome) for v in verdicts)
+    kinds = Counter(map(type, outcomes))
     metrics.received(source, kinds[Accepted])
     metrics.duplicate(source, kinds[Duplicate])
     metrics.conflict(source, kinds[Conflict])
