@@ -87,7 +87,7 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
 
 
 def _refuse_key(app, key: str) -> None:
-    """Make the database itself refuse the event under ``key`` (a trigger), as it might refuse a value."""
+    """Make the database itself refuse the event under ``key``, with a trigger."""
     from sqlalchemy import text
 
     from webhook_receiver.extensions import db
