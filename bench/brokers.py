@@ -7,7 +7,8 @@ fetch, acks) with a unit of work that stores nothing: what the broker and
 the client library cost on this machine. ``vs bare`` is the ratio.
 
 Each case runs in rounds (``--rounds``, 3 by default), each round with its
-own bare loop just before it; a row gives the median rate, the range over
+own bare loop, run before and after the stored runs (its rate is from the
+mean of the two times); a row gives the median rate, the range over
 the rounds, and the median of the rounds' ratios. On a machine whose CPU is
 shared, a single run's ratio says more about the minute than the code.
 
@@ -259,7 +260,7 @@ def run_broker(
         n = count if size >= 10 else max(500, count // 20)
         rates: dict[str, list[float]] = {"bare": [], "unique": [], "redeliveries": []}
         for _ in range(rounds):
-            # Each round its own bare loop, just before the runs it is compared with.
+            # Each round its own bare loop, around the runs it is compared with.
             bare, unique, again = _round(broker, db_url, n, size)
             rates["bare"].append(n / bare)
             rates["unique"].append(n / unique)
@@ -274,7 +275,12 @@ def run_broker(
 
 
 def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, float]:
-    """Seconds for the bare loop, n unique messages, and the same n again (redeliveries)."""
+    """Seconds for the bare loop, n unique messages, and the same n again (redeliveries).
+
+    The bare loop runs before and after the two (its time is their mean),
+    so that a machine that speeds up or slows down during the round moves
+    the baseline with the runs it is compared with.
+    """
     if broker == "rabbitmq":
         queue = RabbitQueue()
         try:
@@ -285,33 +291,38 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
                 "prefetch": size,
             }
             app = make_app(db_url, table)
-            queue.fill(n)
-            bare = consume(app, n, bare=True)
-            queue.fill(n)
-            unique = consume(app, n, bare=False)
-            queue.fill(n)  # the same messages again: every one a redelivery
-            again = consume(app, n, bare=False)
+            times = []
+            for is_bare in (True, False, False, True):
+                # The second stored run gets the same messages: every one a redelivery.
+                queue.fill(n)
+                times.append(consume(app, n, bare=is_bare))
         finally:
             queue.delete()
-        return bare, unique, again
-    stream = NatsStream()
-    try:
-        stream.fill(n)
-        times = []
-        for durable, is_bare in (("bare", True), ("unique", False), ("again", False)):
-            stream.consumer(durable, size)
-            table = {
-                "provider": "nats",
-                "url": NATS_URL,
-                "stream": stream.name,
-                "durable": durable,
-                "batch": size,
-            }
-            app = make_app(db_url, table)
-            times.append(consume(app, n, bare=is_bare))
-    finally:
-        stream.delete()
-    return times[0], times[1], times[2]
+    else:
+        stream = NatsStream()
+        try:
+            stream.fill(n)
+            times = []
+            for durable, is_bare in (
+                ("bare", True),
+                ("unique", False),
+                ("again", False),
+                ("bare-after", True),
+            ):
+                stream.consumer(durable, size)
+                table = {
+                    "provider": "nats",
+                    "url": NATS_URL,
+                    "stream": stream.name,
+                    "durable": durable,
+                    "batch": size,
+                }
+                app = make_app(db_url, table)
+                times.append(consume(app, n, bare=is_bare))
+        finally:
+            stream.delete()
+    before, unique, again, after = times
+    return (before + after) / 2, unique, again
 
 
 def _line(row: Row) -> str:
