@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -86,34 +88,45 @@ def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
     assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
 
 
-def _refuse_key(app, key: str) -> None:
-    """Make the database itself refuse the event under ``key``, with a trigger."""
+@contextmanager
+def _refused_key(app, key: str) -> Iterator[None]:
+    """Make the database itself refuse the event under ``key``, with a trigger, for the block."""
     from sqlalchemy import text
 
     from webhook_receiver.extensions import db
 
-    with app.app_context(), db.engine.begin() as conn:
-        if conn.dialect.name == "sqlite":
-            conn.execute(
-                text(
-                    "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
-                    f"WHEN NEW.dedup_key = '{key}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    with app.app_context():
+        sqlite = db.engine.dialect.name == "sqlite"
+        with db.engine.begin() as conn:
+            if sqlite:
+                conn.execute(
+                    text(
+                        "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
+                        f"WHEN NEW.dedup_key = '{key}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                    )
                 )
-            )
-        else:
-            conn.execute(
-                text(
-                    "CREATE FUNCTION refuse_key() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                    f"IF NEW.dedup_key = '{key}' THEN RAISE EXCEPTION 'refused'; END IF; "
-                    "RETURN NEW; END $$"
+            else:
+                conn.execute(
+                    text(
+                        "CREATE FUNCTION refuse_key() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                        f"BEGIN IF NEW.dedup_key = '{key}' THEN RAISE EXCEPTION 'refused'; "
+                        "END IF; RETURN NEW; END $$"
+                    )
                 )
-            )
-            conn.execute(
-                text(
-                    "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
-                    "FOR EACH ROW EXECUTE FUNCTION refuse_key()"
+                conn.execute(
+                    text(
+                        "CREATE TRIGGER refuse_key BEFORE INSERT ON events "
+                        "FOR EACH ROW EXECUTE FUNCTION refuse_key()"
+                    )
                 )
-            )
+    try:
+        yield
+    finally:
+        # The PostgreSQL schema outlives the test: the trigger must not.
+        with app.app_context(), db.engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER refuse_key" + ("" if sqlite else " ON events")))
+            if not sqlite:
+                conn.execute(text("DROP FUNCTION refuse_key()"))
 
 
 def test_a_message_the_database_refuses_is_dead_lettered_and_its_batch_stored(make_app, amqp_queue):
@@ -121,9 +134,8 @@ def test_a_message_the_database_refuses_is_dead_lettered_and_its_batch_stored(ma
     # one by one, and only the refused one is dead-lettered (not the batch
     # redelivered for ever).
     app = _app(make_app, amqp_queue, prefetch=100)
-    _refuse_key(app, "msg-13")
     amqp_queue.publish([_message(n) for n in range(20)])
-    with consuming(app, SOURCE):
+    with _refused_key(app, "msg-13"), consuming(app, SOURCE):
         assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
         assert wait_until(lambda: count_events(app) == 19, 30)
     assert sorted(stored_keys(app)) == sorted(f"msg-{n}" for n in range(20) if n != 13)
