@@ -631,8 +631,10 @@ def parse_broker_spec(spec: Any, provider: str, key: str = "dedup_key") -> tuple
             raise ValueError(f"{spec!r}: no AMQP property {arg!r}")
     else:
         parse_spec(spec)
-    if key == "dedup_key" and spec.lower() in PER_DELIVERY:
-        raise ValueError(f"{spec!r} changes with each delivery and cannot be a dedup key")
+    if spec.lower() in PER_DELIVERY:
+        # The type is fingerprinted too: every redelivery would be a conflict.
+        what = "a dedup key" if key == "dedup_key" else "an event type"
+        raise ValueError(f"{spec!r} changes with each delivery and cannot be {what}")
     return kind, arg
 
 

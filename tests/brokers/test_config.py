@@ -94,6 +94,14 @@ def test_url_secrets_are_redacted_in_reprs(secret, table, safe_url):
             "changes with each delivery",
         ),
         (
+            {"provider": "nats", "url": "nats://x", "stream": "S", "event_type": "header:X-Death"},
+            "changes with each delivery and cannot be an event type",
+        ),
+        (
+            {"provider": "rabbitmq", "url": URL, "queue": "q", "event_type": "property:timestamp"},
+            "changes with each delivery and cannot be an event type",
+        ),
+        (
             {
                 "provider": "nats",
                 "url": "nats://x",
