@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import time
 from datetime import timedelta
@@ -451,6 +452,44 @@ def test_amqp_forward_unroutable_is_a_retryable_failure(make_app, clock, make_wo
     row = delivery(app, event_id, "bus")
     assert row["state"] == "pending"  # due again after its backoff
     assert "unroutable" in row["last_error"]
+
+
+def test_amqp_forward_sends_what_exceeds_a_short_string_in_headers(
+    make_app, clock, make_worker, amqp_queue
+):
+    # AMQP's short strings hold 255 bytes; a dedup key may be 512 characters.
+    bus = forward("bus", amqp_queue.url, exchange="", routing_key=amqp_queue.name)
+    app = make_app(config_with([bus]), **FAST)
+    key = "k" * 400
+    long_type = "order." + "é" * 200  # 206 characters, 406 bytes
+    store_event(app, clock, dedup_key=key, event_type=long_type)
+    store_event(app, clock, dedup_key="evt-short", event_type="order.paid")
+    assert drain(app, make_worker(app, clock)) == ["delivered", "delivered"]
+    published = {
+        props.headers.get("X-Message-Id", props.message_id): props
+        for props, _ in amqp_queue.take_all(amqp_queue.name)
+    }
+    stable = f"bus:shop:{key}"
+    props = published[stable]
+    assert props.message_id == "sha256:" + hashlib.sha256(stable.encode()).hexdigest()
+    assert props.type is None
+    assert props.headers["X-Webhook-Event-Type"] == long_type
+    # What fits stays where it was.
+    short = published["bus:shop:evt-short"]
+    assert short.message_id == "bus:shop:evt-short" and "X-Message-Id" not in short.headers
+    assert short.type == "order.paid"
+
+
+def test_amqp_forward_routing_key_too_long_goes_dead_at_once(
+    make_app, clock, make_worker, amqp_queue
+):
+    bus = forward("bus", amqp_queue.url, exchange="", routing_key="{event_type}")
+    app = make_app(config_with([bus]), **FAST)
+    event_id = store_event(app, clock, dedup_key="evt-1", event_type="t" * 250 + "é" * 5)
+    assert drain(app, make_worker(app, clock)) == ["dead"]
+    row = delivery(app, event_id, "bus")
+    assert row["state"] == "dead"
+    assert "routing key is longer than AMQP's 255 bytes" in row["last_error"]
 
 
 def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(

@@ -130,6 +130,8 @@ def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
     )
     try:
         publishers.publish(forward, message)
+    except publishers.PublishRefused as exc:
+        return Result(ok=False, retryable=False, error=str(exc))
     except publishers.PublishError as exc:
         return Result(ok=False, retryable=True, error=str(exc))
     return Result(ok=True, retryable=False)

@@ -11,6 +11,11 @@ The message id (AMQP ``message_id``, NATS ``Nats-Msg-Id``) is the forward's
 stable key, ``<consumer>:<source>:<dedup key>``: a worker killed between
 the publish and marking the delivery done publishes the same id again, which
 JetStream drops within its window and a RabbitMQ consumer can deduplicate on.
+AMQP's short strings hold 255 bytes: a longer message id is sent as
+``sha256:<hex>`` of the stable key (as stable), with the key itself in the
+``X-Message-Id`` header; a longer type, correlation id or content type goes
+in a header instead of its property; a longer routing key cannot be sent,
+and the delivery goes dead at once rather than failing every attempt.
 
 Connections are kept per thread and URL (pika's are not thread-safe), and
 opened again after an error.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import logging
 import threading
 from collections.abc import Coroutine
@@ -45,6 +51,10 @@ log = logging.getLogger(__name__)
 
 class PublishError(Exception):
     """A publish was not confirmed; the delivery is retried."""
+
+
+class PublishRefused(PublishError):
+    """The message cannot be published as configured (whatever the attempt): not retried."""
 
 
 @dataclass(frozen=True)
@@ -98,16 +108,50 @@ def _drop_amqp(forward: ForwardConfig) -> None:
             pass
 
 
+# AMQP's short strings (the routing key, message_id, type, ...) hold at most 255 bytes.
+_SHORT_STRING = 255
+# Where a property too long for a short string travels instead (headers have no such limit).
+_LONG_PROPERTY_HEADERS = {
+    "correlation_id": "X-Request-Id",
+    "type": "X-Webhook-Event-Type",
+    "content_type": "X-Content-Type",
+}
+
+
+def _fits(value: str | None) -> bool:
+    return value is None or len(value.encode("utf-8")) <= _SHORT_STRING
+
+
+def _amqp_properties(message: BrokerMessage) -> pika.BasicProperties:
+    """The message's properties; what would not fit a short string goes in the headers."""
+    headers = dict(message.headers)
+    message_id = message.message_id
+    if not _fits(message_id):
+        # A dedup key may be 512 characters: a digest of the stable key is
+        # as stable, and the key itself travels in a header.
+        headers["X-Message-Id"] = message_id
+        message_id = "sha256:" + hashlib.sha256(message_id.encode("utf-8")).hexdigest()
+    values: dict[str, str | None] = {
+        "correlation_id": message.correlation_id,
+        "type": message.event_type,
+        "content_type": message.content_type or "application/octet-stream",
+    }
+    for name, value in list(values.items()):
+        if value is not None and not _fits(value):
+            headers[_LONG_PROPERTY_HEADERS[name]] = value
+            del values[name]
+    return pika.BasicProperties(
+        message_id=message_id, delivery_mode=_PERSISTENT, headers=headers, **values
+    )
+
+
 def _publish_amqp(forward: ForwardConfig, message: BrokerMessage) -> None:
     routing_key = (forward.routing_key or "").replace("{event_type}", message.event_type or "")
-    properties = pika.BasicProperties(
-        message_id=message.message_id,
-        correlation_id=message.correlation_id,
-        type=message.event_type,
-        content_type=message.content_type or "application/octet-stream",
-        delivery_mode=_PERSISTENT,
-        headers=message.headers,
-    )
+    if not _fits(routing_key):
+        raise PublishRefused(
+            f"the routing key is longer than AMQP's {_SHORT_STRING} bytes: {routing_key[:60]!r}..."
+        )
+    properties = _amqp_properties(message)
     # A kept connection may have been closed by the broker while the worker
     # was idle (missed heartbeats): one fresh connection is tried at once.
     for fresh in (False, True):
