@@ -112,6 +112,43 @@ def test_two_consumer_processes_thousand_messages_thirty_percent_twice(
     assert amqp_queue.ready(amqp_queue.dead) == 0
 
 
+def test_two_consumer_processes_share_a_jetstream_durable_thirty_percent_twice(
+    make_app, db_url, tmp_path, jetstream
+):
+    # Keyed by the body: JetStream's duplicate window would drop republishes
+    # under the same Nats-Msg-Id before they reached either process.
+    sources = {"payments": nats_source(jetstream, batch=50, dedup_key="json:/payment")}
+    app = make_app({"sources": sources})
+    config = toml(sources)
+    # Both start at once, and both create the absent durable: one creates it,
+    # the other finds it, and they pull from it as competing consumers.
+    consumers = [start_consume(db_url, config, tmp_path) for _ in range(2)]
+    try:
+        for _, log in consumers:
+            assert wait_until(lambda log=log: "consuming stream" in log.read_text(), 30), _log(log)
+        twice = list(range(0, 1000, 10)) + list(range(3, 1000, 10)) + list(range(7, 1000, 10))
+        again = [
+            (s, b, {"Nats-Msg-Id": h["Nats-Msg-Id"] + "-again"})
+            for s, b, h in map(nats_message, twice)
+        ]
+        first = _publish_in_background(jetstream.publish, [nats_message(n) for n in range(1000)])
+        second = _publish_in_background(jetstream.publish, again)
+        first.join()
+        second.join()
+        assert wait_until(
+            lambda: count_events(app) == 1000 and jetstream.pending() == (0, 0), 90
+        ), [_log(log) for _, log in consumers]
+    finally:
+        codes = [_terminate(process, log) for process, log in consumers]
+    assert codes == [0, 0], [_log(log) for _, log in consumers]
+    counts = Counter(stored_keys(app))
+    assert set(counts) == {str(n) for n in range(1000)} and max(counts.values()) == 1
+    assert duplicate_total(app) == 300
+    assert jetstream.pending() == (0, 0)
+    # Both took part: each stored some of the events (a line per message at INFO).
+    assert all("delivery accepted" in log.read_text() for _, log in consumers)
+
+
 def _publish_in_background(publish: Any, messages: list[Any], chunk: int = 50) -> threading.Thread:
     def go() -> None:
         for i in range(0, len(messages), chunk):
