@@ -492,6 +492,26 @@ def test_amqp_forward_routing_key_too_long_goes_dead_at_once(
     assert "routing key is longer than AMQP's 255 bytes" in row["last_error"]
 
 
+def test_amqp_forward_nacked_by_the_broker_is_a_retryable_failure(
+    make_app, clock, make_worker, amqp_queue
+):
+    # A queue that is full and rejects publishes: the broker nacks the message.
+    full = amqp_queue.name + ".full"
+    with amqp_queue.channel() as ch:
+        ch.queue_declare(full, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    try:
+        bus = forward("bus", amqp_queue.url, exchange="", routing_key=full)
+        app = make_app(config_with([bus]), **FAST)
+        event_id = store_event(app, clock, dedup_key="evt-1")
+        assert drain(app, make_worker(app, clock)) == ["retry"]
+        row = delivery(app, event_id, "bus")
+        assert row["state"] == "pending"  # due again after its backoff
+        assert "nacked" in row["last_error"]
+    finally:
+        with amqp_queue.channel() as ch:
+            ch.queue_delete(full)
+
+
 def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(
     make_app, clock, make_worker, amqp_queue
 ):
@@ -576,6 +596,27 @@ def test_signed_http_forward_with_rotated_secrets_signs_with_each(
     assert len(call.headers["webhook-signature"].split(" ")) == 2
     for secret in (SIGNING_SECRET, OLD_SECRET):
         Webhook(secret).verify(call.body, call.headers)
+
+
+def test_signed_http_forward_retried_signs_each_attempt_at_its_own_time(
+    make_app, downstream, clock, make_worker
+):
+    billing = forward("billing", downstream.url + "/billing", signing_secret=SIGNING_SECRET)
+    app = make_app(config_with([billing]), **FAST)
+    downstream.replies["/billing"] = [Reply(503)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    assert drain(app, worker) == ["retry"]
+    time.sleep(
+        1.1
+    )  # the timestamp is in whole seconds, and real: receivers check it against theirs
+    clock.now = delivery(app, event_id, "billing")["next_attempt_at"]
+    assert drain(app, worker) == ["delivered"]
+    first, second = downstream.calls_to("/billing")
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] == "billing:shop:evt-1"
+    assert int(second.headers["webhook-timestamp"]) > int(first.headers["webhook-timestamp"])
+    for call in (first, second):
+        Webhook(SIGNING_SECRET).verify(call.body, call.headers)
 
 
 def _established_to(port: int) -> int:
