@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from .conftest import (
     consuming,
     count_conflicts,
@@ -181,3 +183,57 @@ def test_dead_letter_that_could_not_be_published_comes_back_and_counts_once(
     assert data == b"no id here"
     assert headers["Dead-Letter-Reason"] == "dedup-key-missing"
     assert dead_letter_count(app, SOURCE, missing_key) == 1
+
+
+def _add_durable(stream, **config):
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    async def go(nc):
+        settings = {"durable_name": "webhook-receiver", "ack_policy": AckPolicy.EXPLICIT}
+        await nc.jetstream().add_consumer(stream.name, ConsumerConfig(**{**settings, **config}))
+
+    stream.run(go)
+
+
+@pytest.mark.parametrize(
+    ("durable", "expected"),
+    [
+        ({"filter_subject": "PREFIX.refunds"}, "filters PREFIX.refunds, but filter_subject is "),
+        ({"ack_policy": "none"}, "acknowledges"),
+        ({"deliver_subject": "push-PREFIX"}, "is a push consumer"),
+    ],
+    ids=["other-filter", "acked-on-delivery", "push"],
+)
+def test_an_existing_durable_that_breaks_the_contract_stops_consume(
+    make_app, jetstream, durable, expected
+):
+    from nats.js.api import AckPolicy
+
+    config = {k: v.replace("PREFIX", jetstream.prefix) for k, v in durable.items()}
+    if config.get("ack_policy") == "none":
+        config["ack_policy"] = AckPolicy.NONE
+    _add_durable(jetstream, **config)
+    app = _app(make_app, jetstream, filter_subject=f"{jetstream.prefix}.paid")
+    result = app.test_cli_runner().invoke(args=["consume"])
+    assert result.exit_code == 1
+    assert expected.replace("PREFIX", jetstream.prefix) in result.output
+    assert "nats consumer rm" in result.output
+
+
+def test_an_existing_durable_with_the_configured_filter_is_used(make_app, jetstream):
+    _add_durable(jetstream, filter_subject=f"{jetstream.prefix}.paid", ack_wait=7)
+    app = _app(make_app, jetstream, filter_subject=f"{jetstream.prefix}.paid")
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    assert jetstream.pending() == (0, 0)
+
+
+def test_a_dead_letter_subject_no_stream_takes_is_warned_about_at_start(
+    make_app, jetstream, caplog
+):
+    app = _app(make_app, jetstream, dead_letter_subject=f"{jetstream.prefix}-nowhere")
+    jetstream.publish([_message(1)])
+    with caplog.at_level("WARNING", logger="webhook_receiver"), consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    assert "no stream takes dead_letter_subject" in caplog.text

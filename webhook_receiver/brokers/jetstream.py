@@ -181,7 +181,7 @@ class JetStreamConsumer(batch.Consumer):
                 f"{self.source.safe_url}; create it first"
             ) from exc
         try:
-            await js.consumer_info(stream, durable)
+            info = await js.consumer_info(stream, durable)
         except nats.js.errors.NotFoundError:
             await js.add_consumer(
                 stream,
@@ -193,7 +193,50 @@ class JetStreamConsumer(batch.Consumer):
                     max_ack_pending=max(1000, 4 * self.source.batch),
                 ),
             )
+        else:
+            self._check_durable(info.config)
+        await self._check_dead_letter_subject(js)
         return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+    def _check_durable(self, config: ConsumerConfig) -> None:
+        """Refuse a durable made elsewhere that breaks the contract or takes other subjects."""
+        problem = None
+        if config.deliver_subject:
+            problem = "is a push consumer; consume pulls"
+        elif config.ack_policy != AckPolicy.EXPLICIT:
+            # Acked on delivery, a message would be lost to a crash before the commit.
+            problem = f"acknowledges {config.ack_policy}, not explicitly after the commit"
+        else:
+            given = [*(config.filter_subjects or []), config.filter_subject]
+            filters = {subject for subject in given if subject}
+            wanted = {self.source.filter_subject} if self.source.filter_subject else set()
+            if filters != wanted:
+                shown = ", ".join(sorted(filters)) or "nothing"
+                problem = f"filters {shown}, but filter_subject is {self.source.filter_subject!r}"
+        if problem:
+            raise FatalConsumerError(
+                f"source {self.source.name}: durable consumer {self.source.durable!r} of stream "
+                f"{self.source.stream!r} {problem}; delete it (nats consumer rm "
+                f"{self.source.stream} {self.source.durable}) for consume to create it, "
+                "or change the source's config"
+            )
+
+    async def _check_dead_letter_subject(self, js: Any) -> None:
+        # Not fatal: the stream may be created later. Until then a dead letter
+        # cannot be published, and its message comes back to be tried again.
+        subject = self.source.dead_letter_subject
+        if not subject:
+            return
+        try:
+            await js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            log.warning(
+                "source %s: no stream takes dead_letter_subject %r: dead letters come back "
+                "until one does",
+                self.source.name,
+                subject,
+                extra={"source": self.source.name},
+            )
 
     async def _flush(self, nc: Any, js: Any, messages: list[Any]) -> None:
         own, taken = [], []
