@@ -26,7 +26,10 @@ its own request instead, before the answer.
 
 from __future__ import annotations
 
+import json
 import logging
+import sqlite3
+from collections.abc import Callable
 from datetime import datetime
 from typing import NamedTuple, cast
 
@@ -124,6 +127,56 @@ def _write_arrays(
         cursor.execute(_PG_WRITE, params, prepare=False)
 
 
+# SQLite: the same two writes, each one statement over the batch as a JSON
+# parameter (json_each), in one transaction. As executemany through Core,
+# each row's parameters cost about 30 us of CPU per redelivery.
+_SQLITE_COUNT = """
+UPDATE events
+SET duplicate_count = duplicate_count + c.n,
+    last_duplicate_at = CASE
+        WHEN last_duplicate_at IS NULL OR last_duplicate_at < c.at THEN c.at
+        ELSE last_duplicate_at
+    END
+FROM (
+    SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS n,
+        json_extract(value, '$[2]') AS at
+    FROM json_each(?)
+) AS c
+WHERE events.id = c.id
+"""
+_SQLITE_RECORD = """
+INSERT INTO event_duplicates (event_id, received_at)
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+FROM json_each(?)
+WHERE EXISTS (SELECT 1 FROM events WHERE events.id = json_extract(value, '$[0]'))
+"""
+# UPDATE ... FROM came with SQLite 3.33; older ones take the Core statements.
+_SQLITE_JSON = sqlite3.sqlite_version_info >= (3, 33)
+
+
+def _write_json(
+    engine: Engine, ordered: list[tuple[int, tuple[int, datetime]]], batch: list[Redelivery]
+) -> None:
+    # Times as SQLAlchemy stores them on SQLite (text, compared as text);
+    # a batch's redeliveries share their time: each is converted once.
+    stored = _sqlite_time(engine)
+    text = {at: stored(at) for at in {r.received_at for r in batch}}
+    counts = json.dumps([[event_id, n, text[at]] for event_id, (n, at) in ordered])
+    rows = json.dumps([[r.event_id, text[r.received_at]] for r in batch])
+    # The UPDATE comes first: on SQLite a transaction must start with its
+    # write (see database.py), and it orders this batch after a purge.
+    with transaction(engine) as conn:
+        conn.exec_driver_sql(_SQLITE_COUNT, (counts,))
+        conn.exec_driver_sql(_SQLITE_RECORD, (rows,))
+
+
+def _sqlite_time(engine: Engine) -> Callable[[datetime], str]:
+    process = UTCDateTime().dialect_impl(engine.dialect).bind_processor(engine.dialect)
+    if process is None:
+        raise TypeError(f"UTCDateTime binds no text on {engine.dialect.name}")
+    return cast(Callable[[datetime], str], process)
+
+
 def _naive_utc(value: datetime) -> datetime:
     # What UTCDateTime binds: the time in UTC, without its zone.
     return cast(datetime, _UTC_BIND(value, None))
@@ -192,8 +245,8 @@ class DuplicateLedger(BackgroundWriter):
     def _write(self, batch: list[Redelivery], *, fast: bool = True) -> None:
         """Write one batch in one transaction.
 
-        ``fast=False`` takes the plain Core statements on PostgreSQL too
-        (the contract test compares the two).
+        ``fast=False`` takes the plain Core statements instead of the
+        dialect's one statement per write (the contract test compares them).
         """
         counts: dict[int, tuple[int, datetime]] = {}
         for r in batch:
@@ -203,6 +256,9 @@ class DuplicateLedger(BackgroundWriter):
         ordered = sorted(counts.items())
         if fast and self.engine.dialect.name == "postgresql":
             _write_arrays(self.engine, ordered, batch)
+            return
+        if fast and _SQLITE_JSON and self.engine.dialect.name == "sqlite":
+            _write_json(self.engine, ordered, batch)
             return
         # The UPDATE comes first: on SQLite a transaction must start with its
         # write (see database.py), and it orders this batch after a purge.

@@ -124,7 +124,7 @@ def receive_many(
     ``all_or_nothing``: a batch with a conflict stores none of its events;
     the conflicts with stored events are kept for review all the same, and
     BatchRefused says which. ``fast=False`` takes the plain Core statements
-    instead of PostgreSQL's column arrays (the contract tests compare them).
+    instead of PostgreSQL's one statement (the contract tests compare them).
     """
     if not messages:
         return []
