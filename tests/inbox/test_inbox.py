@@ -444,3 +444,27 @@ def test_a_batch_settles_a_key_committed_by_another_while_its_statement_waited(m
         assert isinstance(new, inbox.Accepted)
         assert outcomes == [new, inbox.Duplicate(racing)]
         assert (_count(Event), _count(Delivery)) == (2, 4)
+
+
+# SQLite's own limit: PostgreSQL sends a batch as one JSON parameter, whatever its size.
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_batch_larger_than_one_statement_is_stored_in_chunks(make_app):
+    # SQLite binds at most 32,766 parameters in a statement: a batch is
+    # inserted a chunk of rows at a time (made small here), in one transaction.
+    app = make_app(_config(forwards=True))
+    with app.app_context():
+        batch = statements.for_engine(db.engine).sqlite_batch
+        batch.chunk = 3
+        try:
+            first = inbox.receive_many([message(f"c-{n}") for n in range(4)])
+            again = inbox.receive_many([message(f"c-{n}") for n in range(2, 9)] + [message("c-8")])
+        finally:
+            batch.chunk = batch.MAX_PARAMETERS // len(statements.EVENT_COLUMNS)
+        assert all(isinstance(o, inbox.Accepted) for o in first)
+        assert again[:2] == [inbox.Duplicate(first[2].event_id), inbox.Duplicate(first[3].event_id)]
+        assert all(isinstance(o, inbox.Accepted) for o in again[2:7])
+        assert again[7] == inbox.Duplicate(again[6].event_id)
+        ids = [o.event_id for o in first + again[2:7]]
+        assert len(set(ids)) == 9
+        assert _count(Event) == 9
+        assert _count(Delivery) == 9 * 2

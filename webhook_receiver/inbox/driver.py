@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from sqlalchemy import DateTime
 from sqlalchemy.engine import Connection, Engine
 
 from ..database import driver_errors
@@ -54,6 +55,8 @@ class DriverStatement:
         # statement (``state = 'in_progress'``) has no key and is converted
         # once; the others come from ``params()``'s values.
         self._binds: list[tuple[str, str | None, Any, Any]] = []
+        # Binds of times: rows of a batch mostly share theirs (see rows_params).
+        self._times: set[str] = set()
         for name in names or ():
             bind = compiled.binds[name]
             if bind.callable is not None:
@@ -61,6 +64,11 @@ class DriverStatement:
             process = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if bind.required:
                 self._binds.append((name, bind.key, process, None))
+                # UTCDateTime (a TypeDecorator) converts through its DateTime impl.
+                if process is not None and isinstance(
+                    getattr(bind.type, "impl", bind.type), DateTime
+                ):
+                    self._times.add(name)
             else:
                 constant = bind.value if process is None else process(bind.value)
                 self._binds.append((name, None, None, constant))
@@ -77,6 +85,34 @@ class DriverStatement:
         if self._positional:
             return tuple(value for _, value in converted)
         return dict(converted)
+
+    def rows_params(self, rows: Iterable[Mapping[str, Any]]) -> list[Any]:
+        """Positional parameters of ``rows``, one after another (a multi-row VALUES).
+
+        Each distinct time is converted once: a batch's rows mostly share
+        their receipt's.
+        """
+        if not self._positional:
+            raise FastPathError("rows_params is for positional (qmark) statements")
+        times: dict[str, dict[Any, Any]] = {name: {} for name in self._times}
+        flat: list[Any] = []
+        append = flat.append
+        for row in rows:
+            for name, key, process, constant in self._binds:
+                if key is None:
+                    append(constant)
+                    continue
+                value = row[key]
+                if process is None:
+                    append(value)
+                elif name in times:
+                    converted = times[name]
+                    if value not in converted:
+                        converted[value] = process(value)
+                    append(converted[value])
+                else:
+                    append(process(value))
+        return flat
 
 
 @contextmanager

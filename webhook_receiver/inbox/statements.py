@@ -16,6 +16,7 @@ path of the contract tests; the fast paths:
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -102,6 +103,7 @@ class Statements:
         self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
         if dialect.name == "sqlite":
             self.fast_find = DriverStatement(self.find, dialect)
+            self.sqlite_batch = SqliteBatch(self.insert_events, dialect)
         elif dialect.name == "postgresql":
             self.fast_receive = DriverStatement(_receive_statement(), dialect)
             self.batch_insert = BatchRows(dialect)
@@ -114,6 +116,51 @@ class Statements:
                 dialect,
             )
             self.events_id_last_value = DriverStatement(select(_sequence_last_value()), dialect)
+
+
+class SqliteBatch:
+    """SQLite's batch: the one-row INSERT's ``VALUES`` repeated, and the taken keys read over JSON.
+
+    Core's executemany converted each row's parameters through SQLAlchemy's
+    execution machinery; here a DriverStatement's converters make each
+    row's values, and one multi-row ``INSERT ... ON CONFLICT DO NOTHING
+    RETURNING`` takes up to ``chunk`` rows. The keys already taken are
+    then one lookup each, from one JSON parameter.
+    """
+
+    # SQLite binds at most 32,766 parameters in one statement.
+    MAX_PARAMETERS = 32_766
+
+    def __init__(self, insert_events: Any, dialect: Any) -> None:
+        self._one = DriverStatement(insert_events, dialect, EVENT_COLUMNS)
+        sql = self._one.sql
+        values = re.search(r"VALUES (\(\?(?:, \?)*\))", sql)
+        if values is None or sql.count("?") != values.group(1).count("?"):
+            raise FastPathError(f"not a one-row INSERT with only its values bound: {sql!r}")
+        self._head, self._row, self._tail = (
+            sql[: values.start(1)],
+            values.group(1),
+            sql[values.end(1) :],
+        )
+        self.chunk = self.MAX_PARAMETERS // self._row.count("?")
+        self._sql: dict[int, str] = {}
+        # CROSS JOIN: SQLite keeps the keys as the outer loop, an index lookup each.
+        self.find_sql = (
+            "SELECT e.id, e.source, e.dedup_key, e.fingerprint FROM json_each(?) AS k "
+            "CROSS JOIN events AS e ON e.source = json_extract(k.value, '$[0]') "
+            "AND e.dedup_key = json_extract(k.value, '$[1]')"
+        )
+
+    def insert_sql(self, count: int) -> str:
+        """The INSERT of ``count`` rows (at most ``chunk``)."""
+        sql = self._sql.get(count)
+        if sql is None:
+            sql = self._sql[count] = self._head + ", ".join([self._row] * count) + self._tail
+        return sql
+
+    def params(self, rows: list[dict[str, Any]]) -> list[Any]:
+        """The values of ``rows``, row after row, converted by the columns' types."""
+        return self._one.rows_params(rows)
 
 
 class BatchRows:

@@ -10,6 +10,7 @@ review in ``event_conflicts``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -195,6 +196,8 @@ def _store_batch(
         if postgresql:
             with transaction_cursor(conn) as cursor:
                 new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+        elif fast:
+            new_ids, stored = _write_sqlite(conn, statements, messages, first, rows, now)
         else:
             new_ids, stored = _write_core(conn, statements, messages, first, rows, now)
         outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
@@ -245,7 +248,6 @@ def _write_core(
     now: datetime,
 ) -> _Written:
     """The plain Core path: insert the events, read the taken keys, insert the deliveries."""
-    routes = _routes()
     inserted = conn.execute(statements.insert_events, rows).all()
     new_ids = {(source, key): event_id for event_id, source, key in inserted}
     taken = [key for key in first if key not in new_ids]
@@ -254,6 +256,47 @@ def _write_core(
         found = conn.execute(statements.find_many, {"b_keys": taken})
         for event_id, source, key, print_ in found:
             stored[(source, key)] = _Stored(event_id, print_)
+    _insert_batch_deliveries(conn, statements, messages, first, new_ids, now)
+    return new_ids, stored
+
+
+def _write_sqlite(
+    conn: Connection,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+) -> _Written:
+    """SQLite: the Core path's writes, the events and the read on the driver (SqliteBatch)."""
+    batch = statements.sqlite_batch
+    new_ids: dict[tuple[str, str], int] = {}
+    stored: dict[tuple[str, str], _Stored] = {}
+    with transaction_cursor(conn) as cursor:
+        for start in range(0, len(rows), batch.chunk):
+            chunk = rows[start : start + batch.chunk]
+            cursor.execute(batch.insert_sql(len(chunk)), batch.params(chunk))
+            for event_id, source, key in cursor.fetchall():
+                new_ids[(source, key)] = event_id
+        taken = [key for key in first if key not in new_ids]
+        if taken:
+            cursor.execute(batch.find_sql, (json.dumps(taken),))
+            for event_id, source, key, print_ in cursor.fetchall():
+                stored[(source, key)] = _Stored(event_id, print_)
+    _insert_batch_deliveries(conn, statements, messages, first, new_ids, now)
+    return new_ids, stored
+
+
+def _insert_batch_deliveries(
+    conn: Connection,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    new_ids: dict[tuple[str, str], int],
+    now: datetime,
+) -> None:
+    """The new events' deliveries (the outbox), in the batch's transaction."""
+    routes = _routes()
     deliveries = []
     for key, event_id in new_ids.items():
         message = messages[first[key]]
@@ -263,7 +306,6 @@ def _write_core(
         )
     if deliveries:
         conn.execute(statements.insert_deliveries, deliveries)
-    return new_ids, stored
 
 
 def _write_arrays(
