@@ -164,7 +164,7 @@ class SqliteBatch:
 
 
 class BatchRows:
-    """PostgreSQL's batch: one statement, its rows one JSON parameter read by ``jsonb_to_recordset``.
+    """PostgreSQL's batch: one statement, its rows one JSON parameter (``jsonb_to_recordset``).
 
     One short statement whatever the batch's size (a multi-row ``VALUES``
     list is a new, long statement for every batch size), and one round
