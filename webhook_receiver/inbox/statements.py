@@ -143,7 +143,6 @@ class SqliteBatch:
             sql[values.end(1) :],
         )
         self.chunk = self.MAX_PARAMETERS // self._row.count("?")
-        self._sql: dict[int, str] = {}
         # CROSS JOIN: SQLite keeps the keys as the outer loop, an index lookup each.
         self.find_sql = (
             "SELECT e.id, e.source, e.dedup_key, e.fingerprint FROM json_each(?) AS k "
@@ -152,11 +151,13 @@ class SqliteBatch:
         )
 
     def insert_sql(self, count: int) -> str:
-        """The INSERT of ``count`` rows (at most ``chunk``)."""
-        sql = self._sql.get(count)
-        if sql is None:
-            sql = self._sql[count] = self._head + ", ".join([self._row] * count) + self._tail
-        return sql
+        """The INSERT of ``count`` rows (at most ``chunk``).
+
+        Built each time (microseconds against the rows' conversion): kept,
+        one per batch size, they could add up to megabytes. The driver's own
+        statement cache keeps the sizes in use prepared.
+        """
+        return self._head + ", ".join([self._row] * count) + self._tail
 
     def params(self, rows: list[dict[str, Any]]) -> list[Any]:
         """The values of ``rows``, row after row, converted by the columns' types."""
