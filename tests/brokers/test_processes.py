@@ -12,6 +12,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -72,27 +74,42 @@ def _keys_once(app: Any, expected: int, prefix: str) -> None:
     assert set(counts) == {f"{prefix}{n}" for n in range(expected)}
 
 
-def test_two_consumer_processes_thousand_messages_thirty_percent_twice(
-    make_app, db_url, tmp_path, amqp_queue
-):
-    sources = {"orders": rabbit_source(amqp_queue, prefetch=50)}
-    app = make_app({"sources": sources})
-    config = toml(sources)
+# The 300 of 1,000 messages the competing-consumer tests publish twice.
+TWICE = [*range(0, 1000, 10), *range(3, 1000, 10), *range(7, 1000, 10)]
+
+
+@contextmanager
+def _two_consumers(
+    db_url: str, config: str, tmp_path: Any, started: str
+) -> Iterator[list[tuple[subprocess.Popen[bytes], Any]]]:
+    """Two ``consume`` processes that logged ``started``; after the block, SIGTERM and exit 0."""
     consumers = [start_consume(db_url, config, tmp_path) for _ in range(2)]
     try:
         # Both consuming before the first message: else one may take them all
         # while the other still starts (and dies of the SIGTERM at the end,
         # before its handler is in place).
         for _, log in consumers:
-            assert wait_until(lambda log=log: "consuming queue" in log.read_text(), 30), _log(log)
-        twice = list(range(0, 1000, 10)) + list(range(3, 1000, 10)) + list(range(7, 1000, 10))
+            assert wait_until(lambda log=log: started in log.read_text(), 30), _log(log)
+        yield consumers
+    finally:
+        codes = [_terminate(process, log) for process, log in consumers]
+    assert codes == [0, 0], [_log(log) for _, log in consumers]
+
+
+def test_two_consumer_processes_thousand_messages_thirty_percent_twice(
+    make_app, db_url, tmp_path, amqp_queue
+):
+    sources = {"orders": rabbit_source(amqp_queue, prefetch=50)}
+    app = make_app({"sources": sources})
+    config = toml(sources)
+    with _two_consumers(db_url, config, tmp_path, "consuming queue") as consumers:
         # The first copies from one publisher, the second copies from another at
         # the same time: the two consumers get the copies of a message concurrently.
         first = threading.Thread(
             target=amqp_queue.publish, args=([amqp_message(n) for n in range(1000)],)
         )
         second = threading.Thread(
-            target=amqp_queue.publish, args=([amqp_message(n) for n in twice],)
+            target=amqp_queue.publish, args=([amqp_message(n) for n in TWICE],)
         )
         first.start()
         second.start()
@@ -101,9 +118,6 @@ def test_two_consumer_processes_thousand_messages_thirty_percent_twice(
         assert wait_until(lambda: count_events(app) == 1000 and amqp_queue.ready() == 0, 90), [
             _log(log) for _, log in consumers
         ]
-    finally:
-        codes = [_terminate(process, log) for process, log in consumers]
-    assert codes == [0, 0], [_log(log) for _, log in consumers]
     _keys_once(app, 1000, "m-")
     # Each process writes its redeliveries' counts as it exits at the latest.
     assert duplicate_total(app) == 300
@@ -122,14 +136,10 @@ def test_two_consumer_processes_share_a_jetstream_durable_thirty_percent_twice(
     config = toml(sources)
     # Both start at once, and both create the absent durable: one creates it,
     # the other finds it, and they pull from it as competing consumers.
-    consumers = [start_consume(db_url, config, tmp_path) for _ in range(2)]
-    try:
-        for _, log in consumers:
-            assert wait_until(lambda log=log: "consuming stream" in log.read_text(), 30), _log(log)
-        twice = list(range(0, 1000, 10)) + list(range(3, 1000, 10)) + list(range(7, 1000, 10))
+    with _two_consumers(db_url, config, tmp_path, "consuming stream") as consumers:
         again = [
             (s, b, {"Nats-Msg-Id": h["Nats-Msg-Id"] + "-again"})
-            for s, b, h in map(nats_message, twice)
+            for s, b, h in map(nats_message, TWICE)
         ]
         first = _publish_in_background(jetstream.publish, [nats_message(n) for n in range(1000)])
         second = _publish_in_background(jetstream.publish, again)
@@ -138,11 +148,7 @@ def test_two_consumer_processes_share_a_jetstream_durable_thirty_percent_twice(
         assert wait_until(
             lambda: count_events(app) == 1000 and jetstream.pending() == (0, 0), 90
         ), [_log(log) for _, log in consumers]
-    finally:
-        codes = [_terminate(process, log) for process, log in consumers]
-    assert codes == [0, 0], [_log(log) for _, log in consumers]
-    counts = Counter(stored_keys(app))
-    assert set(counts) == {str(n) for n in range(1000)} and max(counts.values()) == 1
+    _keys_once(app, 1000, "")
     assert duplicate_total(app) == 300
     assert jetstream.pending() == (0, 0)
     # Both took part: each stored some of the events (a line per message at INFO).
