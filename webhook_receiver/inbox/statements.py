@@ -305,10 +305,10 @@ class _JsonRows:
         return self._dumps(out)
 
 
-def _then_isoformat(process: Callable[[Any], Any] | None) -> Callable[[Any], str | None]:
-    def convert(value: Any) -> str | None:
-        value = process(value) if process is not None else value
-        return None if value is None else value.isoformat()
+def _then_isoformat(process: Callable[[Any], Any] | None) -> Callable[[Any], str]:
+    # Never given None: document() leaves None as JSON null.
+    def convert(value: Any) -> str:
+        return str((process(value) if process is not None else value).isoformat())
 
     return convert
 

@@ -183,7 +183,7 @@ def _store_batch(
         # were three, each a wait for a consumer's storing thread to get the
         # GIL back.
         with driver_cursor(engine) as cursor:
-            new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+            new_ids, stored = _write_postgresql(cursor, statements, messages, first, rows, now)
         outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
         if conflicts:
             # Kept for review once the events are committed. Should this
@@ -195,7 +195,7 @@ def _store_batch(
     with transaction(engine) as conn:
         if postgresql:
             with transaction_cursor(conn) as cursor:
-                new_ids, stored = _write_arrays(cursor, statements, messages, first, rows, now)
+                new_ids, stored = _write_postgresql(cursor, statements, messages, first, rows, now)
         elif fast:
             new_ids, stored = _write_sqlite(conn, statements, messages, first, rows, now)
         else:
@@ -308,7 +308,7 @@ def _insert_batch_deliveries(
         conn.execute(statements.insert_deliveries, deliveries)
 
 
-def _write_arrays(
+def _write_postgresql(
     cursor: Any,
     statements: Statements,
     messages: Sequence[Message],
@@ -317,14 +317,14 @@ def _write_arrays(
     now: datetime,
 ) -> _Written:
     """PostgreSQL: the taken keys' read, the events and their deliveries in one statement."""
-    arrays = statements.batch_insert
+    batch = statements.batch_insert
     wanted = _wanted_deliveries([messages[i] for i in first.values()], now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
-    # Never prepared: planned for each batch, with its arrays and the table
+    # Never prepared: planned for each batch, with its rows and the table
     # as they are then. A plan cached early (psycopg prepares a statement on
     # its fifth run) made batches of 100 five times slower as the table grew.
-    cursor.execute(arrays.sql, arrays.params(rows, wanted), prepare=False)
+    cursor.execute(batch.sql, batch.params(rows, wanted), prepare=False)
     for event_id, source, key, print_, is_new in cursor.fetchall():
         if is_new:
             new_ids[(source, key)] = event_id
@@ -334,7 +334,7 @@ def _write_arrays(
     raced = [key for key in first if key not in new_ids and key not in stored]
     if raced:
         keys = {"source": [s for s, _ in raced], "dedup_key": [k for _, k in raced]}
-        cursor.execute(arrays.find_sql, keys)
+        cursor.execute(batch.find_sql, keys)
         for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = _Stored(event_id, print_)
     return new_ids, stored
