@@ -43,7 +43,6 @@ def _write_event(tag: str) -> int:
             headers=[],
             meta={},
             received_at=utcnow(),
-            duplicate_count=0,
         )
         .returning(Event.__table__.c.id)
     ).scalar_one()

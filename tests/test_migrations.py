@@ -128,3 +128,48 @@ def test_downgrade_to_base_then_upgrade_again(fresh_app):
     with fresh_app.app_context():
         assert list(db.session.scalars(select(Event.id))) == [response.get_json()["id"]]
         db.session.remove()
+
+
+def test_0004_keeps_every_row_and_counts_duplicates_from_their_rows(fresh_app):
+    # The upgrade drops two columns of events, which other tables point at
+    # with ON DELETE CASCADE: a copy of the table (SQLite's batch mode)
+    # would have deleted its deliveries, duplicates and conflicts.
+    at = "2026-12-01 10:00:00"
+    with fresh_app.app_context():
+        upgrade(revision="0003")
+        with db.engine.begin() as conn:
+            for event_id, count in ((1, 2), (2, 0)):
+                conn.exec_driver_sql(
+                    "INSERT INTO events (id, source, dedup_key, fingerprint, body, headers, meta,"
+                    " received_at, duplicate_count) VALUES"
+                    f" ({event_id}, 's', 'k{event_id}', 'f', '', '[]', '{{}}', '{at}', {count})"
+                )
+            for minute in (1, 7):
+                conn.exec_driver_sql(
+                    "INSERT INTO event_duplicates (event_id, received_at)"
+                    f" VALUES (1, '2026-12-01 10:0{minute}:00')"
+                )
+            conn.exec_driver_sql(
+                "INSERT INTO deliveries (event_id, consumer, kind, state, attempts,"
+                f" next_attempt_at, created_at, updated_at)"
+                f" VALUES (1, 'c', 'http', 'pending', 0, '{at}', '{at}', '{at}')"
+            )
+        upgrade()
+        assert schema_diff() == []
+        counts = {
+            event.id: (event.duplicate_count, event.last_duplicate_at)
+            for event in db.session.scalars(select(Event))
+        }
+        assert counts[1][0] == 2 and counts[1][1].minute == 7
+        assert counts[2] == (0, None)
+        with db.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM deliveries").scalar() == 1
+            assert conn.exec_driver_sql("SELECT count(*) FROM event_duplicates").scalar() == 2
+        db.session.remove()
+
+        downgrade(revision="0003")
+        with db.engine.connect() as conn:
+            rows = conn.exec_driver_sql(
+                "SELECT id, duplicate_count, last_duplicate_at FROM events ORDER BY id"
+            ).all()
+        assert [(r[0], r[1], r[2] is not None) for r in rows] == [(1, 2, True), (2, 0, False)]

@@ -236,7 +236,6 @@ def _effect(key: str, generation: int) -> None:
             headers=[],
             meta={},
             received_at=utcnow(),
-            duplicate_count=0,
         )
     )
 

@@ -54,7 +54,6 @@ def add_event(source: str, age_days: float, deliveries: tuple[str, ...] = ()) ->
             headers=[],
             meta={},
             received_at=received,
-            duplicate_count=0,
         )
         .returning(Event.__table__.c.id)
     ).scalar_one()

@@ -94,10 +94,9 @@ def event(
     content_type: str | None = "application/json",
     headers: list[list[str]] | None = None,
     received_at: datetime | None = None,
-    duplicate_count: int = 0,
     **kwargs: Any,
 ) -> int:
-    """Store an event as the receipt code would."""
+    """Store an event as the receipt code would (its duplicates: see duplicate())."""
     n = next(_serial)
     return add(
         app,
@@ -111,7 +110,6 @@ def event(
             headers=headers if headers is not None else [["Content-Type", "application/json"]],
             meta=kwargs.pop("meta", {}),
             received_at=received_at or NOW,
-            duplicate_count=duplicate_count,
             **kwargs,
         ),
     )

@@ -68,7 +68,6 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
         dedup_key="evt_browser_dead",
         body=b'{"id": "evt_browser_dead", "note": "<script>alert(1)</script>", "amount": 4200}',
         headers=[["Content-Type", "application/json"], ["Stripe-Signature", "t=1,v1=abc"]],
-        duplicate_count=1,
     )
     dead_id = delivery(
         app,
@@ -105,7 +104,6 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             event_type="push",
             dedup_key=f"gh-{n}",
             received_at=at,
-            duplicate_count=n % 2,
         )
         delivery(app, other, consumer="ci", state="delivered", attempts=1, completed_at=at)
         if n % 2:

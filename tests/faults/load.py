@@ -104,8 +104,8 @@ class Stored:
 
     rows: int
     event_id: int
+    # Its event_duplicates rows (the event's duplicate_count).
     duplicate_count: int
-    duplicate_rows: int
 
 
 def stored(db_url: str) -> dict[str, Stored]:
@@ -116,7 +116,6 @@ def stored(db_url: str) -> dict[str, Stored]:
             rows = conn.execute(
                 text(
                     "SELECT e.dedup_key, count(*) OVER (PARTITION BY e.dedup_key) AS n, e.id,"
-                    " e.duplicate_count,"
                     " (SELECT count(*) FROM event_duplicates d WHERE d.event_id = e.id) AS dups"
                     " FROM events e WHERE e.source = :source"
                 ),
@@ -125,9 +124,9 @@ def stored(db_url: str) -> dict[str, Stored]:
     finally:
         engine.dispose()
     result: dict[str, Stored] = {}
-    for key, n, event_id, duplicate_count, dups in rows:
+    for key, n, event_id, dups in rows:
         # Two rows of one key would collapse here; ``rows`` still counts them.
-        result[key] = Stored(n, event_id, duplicate_count, dups)
+        result[key] = Stored(n, event_id, dups)
     return result
 
 

@@ -162,7 +162,7 @@ def test_postgresql_stopped_mid_load_answers_503_and_loses_nothing(stoppable_pos
         assert held[key].event_id == attempt.event_id
     for key, entry in held.items():
         replays = int(retried[key].replayed) if key in retried else 0
-        assert entry.duplicate_count == entry.duplicate_rows == replays, key
+        assert entry.duplicate_count == replays, key
     print(
         f"\n{len(attempts)} deliveries, {statuses}; {len(unacked)} retried after recovery, "
         f"{len(committed_unacked)} of them had committed before their 503; "

@@ -246,7 +246,6 @@ def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(m
                 headers=[],
                 meta={},
                 received_at=NOW,
-                duplicate_count=0,
             )
         )
         db.session.commit()

@@ -157,7 +157,6 @@ def _new_event(app, key: str) -> int:
             headers=[],
             meta={},
             received_at=utcnow(),
-            duplicate_count=0,
         )
         db.session.add(event)
         db.session.commit()

@@ -307,7 +307,7 @@ def _state_condition(state: str) -> ColumnElement[bool] | None:
     if state == "none":
         return not_(exists().where(d.event_id == Event.id))
     if state == "duplicated":
-        return Event.duplicate_count > 0
+        return exists().where(EventDuplicate.event_id == Event.id)
     if state == "conflicted":
         return Event.id.in_(select(EventConflict.event_id))
     return None

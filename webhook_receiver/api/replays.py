@@ -2,7 +2,7 @@
 
 A client's retry is answered from the saved response (the ``@idempotent``
 engine) and never reaches the view; like a provider's redelivery, it is
-then noted in the event's ``duplicate_count`` and ``event_duplicates``, in
+then noted as an ``event_duplicates`` row (its ``duplicate_count``), in
 the batches of duplicates.py, so the admin shows every copy that came.
 """
 

@@ -2,8 +2,9 @@
 
 A redelivery of a stored event changes nothing idempotency rests on: its
 answer comes from the event, already committed. What it adds is
-bookkeeping for operators: the event's ``duplicate_count`` and
-``last_duplicate_at``, and an ``event_duplicates`` row with its time.
+bookkeeping for operators: an ``event_duplicates`` row with its time (the
+event's ``duplicate_count`` and ``last_duplicate_at`` are read from these
+rows).
 Written per request, that bookkeeping made each duplicate a write
 transaction (on SQLite a turn at the single write lock, on PostgreSQL a
 lock on the event's row that a storm of copies queues behind), so a
@@ -28,13 +29,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from collections.abc import Callable
 from datetime import datetime
 from typing import NamedTuple, cast
 
 from flask import Flask, current_app
-from sqlalchemy import Integer, bindparam, case, exists, insert, select, update
+from sqlalchemy import Integer, bindparam, exists, insert, select
 from sqlalchemy.engine import Engine
 
 from ..background import BackgroundWriter
@@ -51,21 +51,6 @@ MAX_PENDING = 100_000
 _events = Event.__table__
 _duplicates = EventDuplicate.__table__
 
-_at = bindparam("b_at", type_=UTCDateTime())
-# Counts add up in the database, so two processes' batches never overwrite
-# each other; the latest time wins whatever order the batches land in.
-_COUNT = (
-    update(_events)
-    .where(_events.c.id == bindparam("b_id"))
-    .values(
-        duplicate_count=_events.c.duplicate_count + bindparam("b_n"),
-        last_duplicate_at=case(
-            (_events.c.last_duplicate_at.is_(None), _at),
-            (_events.c.last_duplicate_at < _at, _at),
-            else_=_events.c.last_duplicate_at,
-        ),
-    )
-)
 # An event purged since its redelivery was answered gets no row (nor a
 # foreign-key error that would hold up the rest of the batch).
 _RECORD = insert(_duplicates).from_select(
@@ -76,97 +61,52 @@ _RECORD = insert(_duplicates).from_select(
 )
 
 
-# PostgreSQL: the same two writes as one statement over column arrays, its
-# own transaction. As executemany, each row's parameters cost more Python
-# (SQLAlchemy's and psycopg's, row by row) than the rest of a redelivery:
-# about 60 us of CPU each, in the thread of a process that also answers.
-# The events are locked in id order first, as the row-by-row UPDATE does;
-# a duplicate's row is written only for an event still there to count it.
+# PostgreSQL: the rows as one statement over column arrays, its own
+# transaction. As executemany, each row's parameters cost more Python
+# (SQLAlchemy's and psycopg's, row by row) than the rest of a redelivery.
+# Rows go in event id order: each takes a share lock on its event (the
+# foreign key), so two batches take their locks in the same order.
 _PG_WRITE = """
-WITH locked AS MATERIALIZED (
-    SELECT e.id, c.n, c.at
-    FROM events AS e
-    JOIN unnest(%(ids)b::bigint[], %(ns)b::integer[], %(ats)b::timestamp[]) AS c(id, n, at)
-        ON c.id = e.id
-    ORDER BY e.id
-    FOR UPDATE OF e
-), counted AS (
-    UPDATE events AS e
-    SET duplicate_count = e.duplicate_count + l.n,
-        last_duplicate_at = CASE
-            WHEN e.last_duplicate_at IS NULL OR e.last_duplicate_at < l.at THEN l.at
-            ELSE e.last_duplicate_at
-        END
-    FROM locked AS l
-    WHERE e.id = l.id
-    RETURNING e.id
-)
 INSERT INTO event_duplicates (event_id, received_at)
 SELECT r.id, r.at
-FROM unnest(%(r_ids)b::bigint[], %(r_ats)b::timestamp[]) AS r(id, at)
-WHERE r.id IN (SELECT id FROM counted)
+FROM unnest(%(ids)b::bigint[], %(ats)b::timestamp[]) AS r(id, at)
+WHERE EXISTS (SELECT FROM events AS e WHERE e.id = r.id)
+ORDER BY r.id
 """
 
 
-def _write_arrays(
-    engine: Engine, ordered: list[tuple[int, tuple[int, datetime]]], batch: list[Redelivery]
-) -> None:
+def _write_arrays(engine: Engine, batch: list[Redelivery]) -> None:
     # The arrays go in binary: in text format psycopg quotes each time
     # with a regex. A broker batch's redeliveries share their time: each
-    # distinct time is converted once (the counted times are among them).
+    # distinct time is converted once.
     naive = {at: _naive_utc(at) for at in {r.received_at for r in batch}}
     params = {
-        "ids": [event_id for event_id, _ in ordered],
-        "ns": [n for _, (n, _) in ordered],
-        "ats": [naive[at] for _, (_, at) in ordered],
-        "r_ids": [r.event_id for r in batch],
-        "r_ats": [naive[r.received_at] for r in batch],
+        "ids": [r.event_id for r in batch],
+        "ats": [naive[r.received_at] for r in batch],
     }
     with driver_cursor(engine) as cursor:
         # Never prepared: a plan made while the table was small would scan it.
         cursor.execute(_PG_WRITE, params, prepare=False)
 
 
-# SQLite: the same two writes, each one statement over the batch as a JSON
-# parameter (json_each), in one transaction. As executemany through Core,
-# each row's parameters cost about 30 us of CPU per redelivery.
-_SQLITE_COUNT = """
-UPDATE events
-SET duplicate_count = duplicate_count + c.n,
-    last_duplicate_at = CASE
-        WHEN last_duplicate_at IS NULL OR last_duplicate_at < c.at THEN c.at
-        ELSE last_duplicate_at
-    END
-FROM (
-    SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS n,
-        json_extract(value, '$[2]') AS at
-    FROM json_each(?)
-) AS c
-WHERE events.id = c.id
-"""
+# SQLite: the rows as one statement over the batch as a JSON parameter
+# (json_each). As executemany through Core, each row's parameters cost
+# about 30 us of CPU per redelivery.
 _SQLITE_RECORD = """
 INSERT INTO event_duplicates (event_id, received_at)
 SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
 FROM json_each(?)
 WHERE EXISTS (SELECT 1 FROM events WHERE events.id = json_extract(value, '$[0]'))
 """
-# UPDATE ... FROM came with SQLite 3.33; older ones take the Core statements.
-_SQLITE_JSON = sqlite3.sqlite_version_info >= (3, 33)
 
 
-def _write_json(
-    engine: Engine, ordered: list[tuple[int, tuple[int, datetime]]], batch: list[Redelivery]
-) -> None:
+def _write_json(engine: Engine, batch: list[Redelivery]) -> None:
     # Times as SQLAlchemy stores them on SQLite (text, compared as text);
     # a batch's redeliveries share their time: each is converted once.
     stored = _sqlite_time(engine)
     text = {at: stored(at) for at in {r.received_at for r in batch}}
-    counts = json.dumps([[event_id, n, text[at]] for event_id, (n, at) in ordered])
     rows = json.dumps([[r.event_id, text[r.received_at]] for r in batch])
-    # The UPDATE comes first: on SQLite a transaction must start with its
-    # write (see database.py), and it orders this batch after a purge.
     with transaction(engine) as conn:
-        conn.exec_driver_sql(_SQLITE_COUNT, (counts,))
         conn.exec_driver_sql(_SQLITE_RECORD, (rows,))
 
 
@@ -248,22 +188,15 @@ class DuplicateLedger(BackgroundWriter):
         ``fast=False`` takes the plain Core statements instead of the
         dialect's one statement per write (the contract test compares them).
         """
-        counts: dict[int, tuple[int, datetime]] = {}
-        for r in batch:
-            n, last = counts.get(r.event_id, (0, r.received_at))
-            counts[r.event_id] = (n + 1, max(last, r.received_at))
-        # Rows locked in id order: two processes' batches never deadlock.
-        ordered = sorted(counts.items())
+        # In event id order, as on PostgreSQL's fast path: see _PG_WRITE.
+        batch = sorted(batch)
         if fast and self.engine.dialect.name == "postgresql":
-            _write_arrays(self.engine, ordered, batch)
+            _write_arrays(self.engine, batch)
             return
-        if fast and _SQLITE_JSON and self.engine.dialect.name == "sqlite":
-            _write_json(self.engine, ordered, batch)
+        if fast and self.engine.dialect.name == "sqlite":
+            _write_json(self.engine, batch)
             return
-        # The UPDATE comes first: on SQLite a transaction must start with its
-        # write (see database.py), and it orders this batch after a purge.
         with transaction(self.engine) as conn:
-            conn.execute(_COUNT, [{"b_id": i, "b_n": n, "b_at": at} for i, (n, at) in ordered])
             conn.execute(_RECORD, [{"r_id": r.event_id, "r_at": r.received_at} for r in batch])
 
     def _put_back(self, batch: list[Redelivery]) -> None:

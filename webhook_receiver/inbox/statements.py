@@ -47,7 +47,7 @@ events = Event.__table__
 deliveries = Delivery.__table__
 conflicts = EventConflict.__table__
 
-# The columns an intake's message fills; id and last_duplicate_at are the database's.
+# The columns an intake's message fills; id is the database's.
 EVENT_COLUMNS = (
     "source",
     "dedup_key",
@@ -59,7 +59,6 @@ EVENT_COLUMNS = (
     "meta",
     "correlation_id",
     "client",
-    "duplicate_count",
     "received_at",
 )
 # A new delivery's columns: its event, consumer and kind, then the defaults.

@@ -72,7 +72,6 @@ def event_values(message: Message, received_at: datetime) -> dict[str, Any]:
         "meta": dict(message.meta),
         "correlation_id": message.correlation_id,
         "client": message.client,
-        "duplicate_count": 0,
         "received_at": received_at,
     }
 
