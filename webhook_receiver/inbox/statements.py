@@ -102,7 +102,7 @@ class Statements:
         self.fast_insert = DriverStatement(self.insert_event, dialect, EVENT_COLUMNS)
         if dialect.name == "sqlite":
             self.fast_find = DriverStatement(self.find, dialect)
-            self.sqlite_batch = SqliteBatch(self.insert_events, dialect)
+            self.sqlite_batch = SqliteBatch(ignoring, dialect)
         elif dialect.name == "postgresql":
             self.fast_receive = DriverStatement(_receive_statement(), dialect)
             self.batch_insert = BatchRows(dialect)
@@ -122,9 +122,18 @@ class SqliteBatch:
 
     Core's executemany converted each row's parameters through SQLAlchemy's
     execution machinery; here a DriverStatement's converters make each
-    row's values, and one multi-row ``INSERT ... ON CONFLICT DO NOTHING
-    RETURNING`` takes up to ``chunk`` rows. The keys already taken are
-    then one lookup each, from one JSON parameter.
+    row's values, and one multi-row ``INSERT ... ON CONFLICT DO NOTHING``
+    takes up to ``chunk`` rows. The keys already taken are then one lookup
+    each, from one JSON parameter.
+
+    Every read answers one row, its rows as one JSON array: the driver lets
+    go of the GIL for every row it steps to, and each time a busy consumer
+    thread took it, the batch waited to get it back (``RETURNING`` and a
+    row per event found made the batch's reads ten times slower in a
+    consumer than alone). The new events are read back by their ids: the
+    batch holds the write lock, and SQLite gives each inserted row the
+    table's largest rowid plus one, so a statement's new rows are the
+    ``changes()`` ids ending at ``last_insert_rowid()``.
     """
 
     # SQLite binds at most 32,766 parameters in one statement.
@@ -142,9 +151,14 @@ class SqliteBatch:
             sql[values.end(1) :],
         )
         self.chunk = self.MAX_PARAMETERS // self._row.count("?")
+        self.new_sql = (
+            "SELECT json_group_array(json_array(id, source, dedup_key)) FROM events "
+            "WHERE id BETWEEN ? AND ?"
+        )
         # CROSS JOIN: SQLite keeps the keys as the outer loop, an index lookup each.
         self.find_sql = (
-            "SELECT e.id, e.source, e.dedup_key, e.fingerprint FROM json_each(?) AS k "
+            "SELECT json_group_array(json_array(e.id, e.source, e.dedup_key, e.fingerprint)) "
+            "FROM json_each(?) AS k "
             "CROSS JOIN events AS e ON e.source = json_extract(k.value, '$[0]') "
             "AND e.dedup_key = json_extract(k.value, '$[1]')"
         )

@@ -191,11 +191,38 @@ def _store_batch(
             with transaction(engine) as conn:
                 _keep_conflicts(conn, statements, conflicts, now)
         return outcomes, new_ids, conflicts
+    path = "postgresql" if postgresql else "sqlite" if fast else "core"
+    try:
+        return _store_in_transaction(
+            engine, statements, messages, first, rows, now, all_or_nothing, path
+        )
+    except _NotSequential:
+        # Rolled back: SQLite's rowids reached their largest (2**63 - 1) and
+        # it picks new ones at random; Core's RETURNING reads them instead.
+        return _store_in_transaction(
+            engine, statements, messages, first, rows, now, all_or_nothing, "core"
+        )
+
+
+class _NotSequential(Exception):
+    """SQLite gave a batch's new rows ids other than the next ones (only past 2**63 - 1)."""
+
+
+def _store_in_transaction(
+    engine: Engine,
+    statements: Statements,
+    messages: Sequence[Message],
+    first: dict[tuple[str, str], int],
+    rows: list[dict[str, Any]],
+    now: datetime,
+    all_or_nothing: bool,
+    path: str,
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     with transaction(engine) as conn:
-        if postgresql:
+        if path == "postgresql":
             with transaction_cursor(conn) as cursor:
                 new_ids, stored = _write_postgresql(cursor, statements, messages, first, rows, now)
-        elif fast:
+        elif path == "sqlite":
             new_ids, stored = _write_sqlite(conn, statements, messages, first, rows, now)
         else:
             new_ids, stored = _write_core(conn, statements, messages, first, rows, now)
@@ -272,15 +299,29 @@ def _write_sqlite(
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
     with transaction_cursor(conn) as cursor:
+        first_id, last_id, inserted = 0, 0, 0
         for start in range(0, len(rows), batch.chunk):
             chunk = rows[start : start + batch.chunk]
             cursor.execute(batch.insert_sql(len(chunk)), batch.params(chunk))
-            for event_id, source, key in cursor.fetchall():
+            if cursor.rowcount > 0:
+                # This statement's new rows: ids last_insert_rowid() - changes() + 1 on.
+                first_id = first_id or cursor.lastrowid - cursor.rowcount + 1
+                last_id = cursor.lastrowid
+                inserted += cursor.rowcount
+        if inserted:
+            cursor.execute(batch.new_sql, (first_id, last_id))
+            (found,) = cursor.fetchone()
+            for event_id, source, key in json.loads(found):
                 new_ids[(source, key)] = event_id
+            if len(new_ids) != inserted:
+                # Only at the largest rowid, 2**63 - 1, does SQLite pick
+                # others, at random.
+                raise _NotSequential(f"{inserted} events inserted, {len(new_ids)} found by id")
         taken = [key for key in first if key not in new_ids]
         if taken:
             cursor.execute(batch.find_sql, (json.dumps(taken),))
-            for event_id, source, key, print_ in cursor.fetchall():
+            (found,) = cursor.fetchone()
+            for event_id, source, key, print_ in json.loads(found):
                 stored[(source, key)] = _Stored(event_id, print_)
     _insert_batch_deliveries(conn, statements, messages, first, new_ids, now)
     return new_ids, stored
