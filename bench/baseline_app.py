@@ -29,9 +29,9 @@ from webhook_receiver.database import SQLITE_BUSY_TIMEOUT_MS, engine_options
 
 _INSERT = text(
     "INSERT INTO events (source, dedup_key, event_type, fingerprint, content_type, body,"
-    " headers, meta, received_at, duplicate_count)"
+    " headers, meta, received_at)"
     " VALUES ('bench:baseline', :key, 'bench', :fp, 'application/json', :body,"
-    " '[]', '{}', :now, 0)"
+    " '[]', '{}', :now)"
     " ON CONFLICT (source, dedup_key) DO NOTHING"
 )
 
@@ -72,6 +72,7 @@ def create_app() -> Flask:
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     app = Flask(__name__)
+    app.extensions["engine"] = engine  # for whoever disposes of it
     postgresql = engine.dialect.name == "postgresql"
     floor_sql = [
         _driver_sql(str(t), engine.dialect.name) for t in (_FIND_RECORD, _INSERT, _INSERT_RECORD)
