@@ -64,8 +64,7 @@ _RECORD = insert(_duplicates).from_select(
 # PostgreSQL: the rows as one statement over column arrays, its own
 # transaction. As executemany, each row's parameters cost more Python
 # (SQLAlchemy's and psycopg's, row by row) than the rest of a redelivery.
-# Rows go in event id order: each takes a share lock on its event (the
-# foreign key), so two batches take their locks in the same order.
+# ORDER BY keeps the batch's order (see DuplicateLedger._write).
 _PG_WRITE = """
 INSERT INTO event_duplicates (event_id, received_at)
 SELECT r.id, r.at
@@ -188,7 +187,9 @@ class DuplicateLedger(BackgroundWriter):
         ``fast=False`` takes the plain Core statements instead of the
         dialect's one statement per write (the contract test compares them).
         """
-        # In event id order, as on PostgreSQL's fast path: see _PG_WRITE.
+        # In event id order: each row's foreign key takes a share lock on its
+        # event, so two processes' batches take their locks in one order and
+        # cannot deadlock.
         batch = sorted(batch)
         if fast and self.engine.dialect.name == "postgresql":
             _write_arrays(self.engine, batch)
