@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import current_app
 from sqlalchemy import event as sa_event
@@ -135,10 +135,9 @@ def receive_many(
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
+    batch = _Batch(messages, first, rows, now)
     try:
-        outcomes, new_ids, conflicts = _store_batch(
-            engine, statements, messages, first, rows, now, all_or_nothing, fast
-        )
+        outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
     except _Refused as refused:
         outcomes, new_ids, conflicts = refused.args
         # Only a conflict with an event stored before the batch can be kept:
@@ -165,15 +164,27 @@ class _Refused(Exception):
     """Roll an all-or-nothing batch back; carries its outcomes, new ids and conflicts."""
 
 
+class _Batch(NamedTuple):
+    """A batch as its writers take it."""
+
+    messages: Sequence[Message]
+    # Each key's first message, by index: a key repeated in the batch is
+    # settled against it.
+    first: dict[tuple[str, str], int]
+    # The events row of each key, in ``first``'s order.
+    rows: list[dict[str, Any]]
+    now: datetime
+
+
+# What a batch's writes found: the new events' ids, and the events already
+# under the other keys, by (source, dedup key).
+_Written = tuple[dict[tuple[str, str], int], dict[tuple[str, str], _Stored]]
+# A batch's writes inside its transaction, on one path.
+_Writer = Callable[[Connection, Statements, _Batch], _Written]
+
+
 def _store_batch(
-    engine: Engine,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
-    all_or_nothing: bool,
-    fast: bool,
+    engine: Engine, statements: Statements, batch: _Batch, all_or_nothing: bool, fast: bool
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     postgresql = fast and statements.dialect_name == "postgresql"
     if postgresql and not all_or_nothing:
@@ -182,26 +193,24 @@ def _store_batch(
         # were three, each a wait for a consumer's storing thread to get the
         # GIL back.
         with driver_cursor(engine) as cursor:
-            new_ids, stored = _write_postgresql(cursor, statements, messages, first, rows, now)
-        outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
+            new_ids, stored = _write_postgresql(cursor, statements, batch)
+        outcomes, conflicts = _settle_batch(batch, new_ids, stored)
         if conflicts:
             # Kept for review once the events are committed. Should this
             # fail, receive_many raises before any message is settled, and
             # the redelivery finds the same conflict again.
             with transaction(engine) as conn:
-                _keep_conflicts(conn, statements, conflicts, now)
+                _keep_conflicts(conn, statements, conflicts, batch.now)
         return outcomes, new_ids, conflicts
-    path = "postgresql" if postgresql else "sqlite" if fast else "core"
+    write: _Writer = (
+        _write_postgresql_in_transaction if postgresql else _write_sqlite if fast else _write_core
+    )
     try:
-        return _store_in_transaction(
-            engine, statements, messages, first, rows, now, all_or_nothing, path
-        )
+        return _store_in_transaction(engine, statements, batch, all_or_nothing, write)
     except _NotSequential:
         # Rolled back: SQLite's rowids reached their largest (2**63 - 1) and
         # it picks new ones at random; Core's RETURNING reads them instead.
-        return _store_in_transaction(
-            engine, statements, messages, first, rows, now, all_or_nothing, "core"
-        )
+        return _store_in_transaction(engine, statements, batch, all_or_nothing, _write_core)
 
 
 class _NotSequential(Exception):
@@ -209,37 +218,24 @@ class _NotSequential(Exception):
 
 
 def _store_in_transaction(
-    engine: Engine,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
-    all_or_nothing: bool,
-    path: str,
+    engine: Engine, statements: Statements, batch: _Batch, all_or_nothing: bool, write: _Writer
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     with transaction(engine) as conn:
-        if path == "postgresql":
-            with transaction_cursor(conn) as cursor:
-                new_ids, stored = _write_postgresql(cursor, statements, messages, first, rows, now)
-        elif path == "sqlite":
-            new_ids, stored = _write_sqlite(conn, statements, messages, first, rows, now)
-        else:
-            new_ids, stored = _write_core(conn, statements, messages, first, rows, now)
-        outcomes, conflicts = _settle_batch(messages, first, new_ids, stored)
+        new_ids, stored = write(conn, statements, batch)
+        outcomes, conflicts = _settle_batch(batch, new_ids, stored)
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
-        _keep_conflicts(conn, statements, conflicts, now)
+        _keep_conflicts(conn, statements, conflicts, batch.now)
     return outcomes, new_ids, conflicts
 
 
 def _settle_batch(
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
+    batch: _Batch,
     new_ids: dict[tuple[str, str], int],
     stored: dict[tuple[str, str], _Stored],
 ) -> tuple[list[Outcome], list[tuple[Message, int]]]:
     """Each message's outcome, and the conflicts to keep, from what the writes found."""
+    messages, first = batch.messages, batch.first
     outcomes: list[Outcome] = []
     conflicts: list[tuple[Message, int]] = []
     for index, message in enumerate(messages):
@@ -260,56 +256,38 @@ def _settle_batch(
     return outcomes, conflicts
 
 
-# What a batch's writes found: the new events' ids, and the events already
-# under the other keys, by (source, dedup key).
-_Written = tuple[dict[tuple[str, str], int], dict[tuple[str, str], _Stored]]
-
-
-def _write_core(
-    conn: Connection,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
-) -> _Written:
+def _write_core(conn: Connection, statements: Statements, batch: _Batch) -> _Written:
     """The plain Core path: insert the events, read the taken keys, insert the deliveries."""
-    inserted = conn.execute(statements.insert_events, rows).all()
+    inserted = conn.execute(statements.insert_events, batch.rows).all()
     new_ids = {(source, key): event_id for event_id, source, key in inserted}
-    taken = [key for key in first if key not in new_ids]
+    taken = [key for key in batch.first if key not in new_ids]
     stored: dict[tuple[str, str], _Stored] = {}
     if taken:
         found = conn.execute(statements.find_many, {"b_keys": taken})
         for event_id, source, key, print_ in found:
             stored[(source, key)] = _Stored(event_id, print_)
-    _insert_batch_deliveries(conn, statements, messages, first, new_ids, now)
+    _insert_batch_deliveries(conn, statements, batch, new_ids)
     return new_ids, stored
 
 
-def _write_sqlite(
-    conn: Connection,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
-) -> _Written:
+def _write_sqlite(conn: Connection, statements: Statements, batch: _Batch) -> _Written:
     """SQLite: the Core path's writes, the events and the read on the driver (SqliteBatch)."""
-    batch = statements.sqlite_batch
+    sql = statements.sqlite_batch
+    rows = batch.rows
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
     with transaction_cursor(conn) as cursor:
         first_id, last_id, inserted = 0, 0, 0
-        for start in range(0, len(rows), batch.chunk):
-            chunk = rows[start : start + batch.chunk]
-            cursor.execute(batch.insert_sql(len(chunk)), batch.params(chunk))
+        for start in range(0, len(rows), sql.chunk):
+            chunk = rows[start : start + sql.chunk]
+            cursor.execute(sql.insert_sql(len(chunk)), sql.params(chunk))
             if cursor.rowcount > 0:
                 # This statement's new rows: ids last_insert_rowid() - changes() + 1 on.
                 first_id = first_id or cursor.lastrowid - cursor.rowcount + 1
                 last_id = cursor.lastrowid
                 inserted += cursor.rowcount
         if inserted:
-            cursor.execute(batch.new_sql, (first_id, last_id))
+            cursor.execute(sql.new_sql, (first_id, last_id))
             (found,) = cursor.fetchone()
             for event_id, source, key in json.loads(found):
                 new_ids[(source, key)] = event_id
@@ -317,54 +295,51 @@ def _write_sqlite(
                 # Only at the largest rowid, 2**63 - 1, does SQLite pick
                 # others, at random.
                 raise _NotSequential(f"{inserted} events inserted, {len(new_ids)} found by id")
-        taken = [key for key in first if key not in new_ids]
+        taken = [key for key in batch.first if key not in new_ids]
         if taken:
-            cursor.execute(batch.find_sql, (json.dumps(taken),))
+            cursor.execute(sql.find_sql, (json.dumps(taken),))
             (found,) = cursor.fetchone()
             for event_id, source, key, print_ in json.loads(found):
                 stored[(source, key)] = _Stored(event_id, print_)
-    _insert_batch_deliveries(conn, statements, messages, first, new_ids, now)
+    _insert_batch_deliveries(conn, statements, batch, new_ids)
     return new_ids, stored
 
 
 def _insert_batch_deliveries(
-    conn: Connection,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    new_ids: dict[tuple[str, str], int],
-    now: datetime,
+    conn: Connection, statements: Statements, batch: _Batch, new_ids: dict[tuple[str, str], int]
 ) -> None:
     """The new events' deliveries (the outbox), in the batch's transaction."""
     routes = _routes()
     deliveries = []
     for key, event_id in new_ids.items():
-        message = messages[first[key]]
+        message = batch.messages[batch.first[key]]
         # As for one message: a new delivery is due from its event's receipt.
         deliveries += _delivery_rows(
-            event_id, routes(message.source, message.event_type), message.received_at or now
+            event_id, routes(message.source, message.event_type), message.received_at or batch.now
         )
     if deliveries:
         conn.execute(statements.insert_deliveries, deliveries)
 
 
-def _write_postgresql(
-    cursor: Any,
-    statements: Statements,
-    messages: Sequence[Message],
-    first: dict[tuple[str, str], int],
-    rows: list[dict[str, Any]],
-    now: datetime,
+def _write_postgresql_in_transaction(
+    conn: Connection, statements: Statements, batch: _Batch
 ) -> _Written:
+    """PostgreSQL's one statement inside the caller's transaction (an all-or-nothing batch)."""
+    with transaction_cursor(conn) as cursor:
+        return _write_postgresql(cursor, statements, batch)
+
+
+def _write_postgresql(cursor: Any, statements: Statements, batch: _Batch) -> _Written:
     """PostgreSQL: the taken keys' read, the events and their deliveries in one statement."""
-    batch = statements.batch_insert
-    wanted = _wanted_deliveries([messages[i] for i in first.values()], now)
+    sql = statements.batch_insert
+    messages, first = batch.messages, batch.first
+    wanted = _wanted_deliveries([messages[i] for i in first.values()], batch.now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], _Stored] = {}
     # Never prepared: planned for each batch, with its rows and the table
     # as they are then. A plan cached early (psycopg prepares a statement on
     # its fifth run) made batches of 100 five times slower as the table grew.
-    cursor.execute(batch.sql, batch.params(rows, wanted), prepare=False)
+    cursor.execute(sql.sql, sql.params(batch.rows, wanted), prepare=False)
     for event_id, source, key, print_, is_new in cursor.fetchall():
         if is_new:
             new_ids[(source, key)] = event_id
@@ -374,7 +349,7 @@ def _write_postgresql(
     raced = [key for key in first if key not in new_ids and key not in stored]
     if raced:
         keys = {"source": [s for s, _ in raced], "dedup_key": [k for _, k in raced]}
-        cursor.execute(batch.find_sql, keys)
+        cursor.execute(sql.find_sql, keys)
         for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = _Stored(event_id, print_)
     return new_ids, stored
