@@ -12,6 +12,7 @@ import inspect
 import json
 import uuid
 from datetime import timedelta
+from unittest.mock import patch
 
 import pytest
 from flask import Blueprint, abort, g, jsonify, make_response
@@ -373,3 +374,84 @@ def request_print(app, path: str) -> str:
     """The fingerprint ``post`` gives a request to ``path``."""
     with app.test_request_context(path, method="POST", json={"a": 1}):
         return request_fingerprint()
+
+
+# -- speculative: the view runs before the key is read, while retries are rare --
+
+
+@pytest.fixture
+def speculative_app(make_app):
+    calls.clear()
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    bp = Blueprint("speculative_test", __name__)
+
+    @bp.post("/t/spec")
+    @require_client
+    @idempotency.idempotent(speculative=True)
+    def spec():
+        calls.append("spec")
+        event_id = _write_event("spec")
+        return jsonify(id=event_id), 201
+
+    app.register_blueprint(bp)
+    return app
+
+
+def test_a_speculative_view_runs_a_new_key_without_reading_it(speculative_app):
+    client = speculative_app.test_client()
+    with patch.object(records, "find", wraps=records.find) as find:
+        response = post(client, "/t/spec", key="new")
+    assert response.status_code == 201
+    assert find.call_count == 0
+    assert calls == ["spec"]
+    assert (events(speculative_app), record(speculative_app, "new").state) == (1, COMPLETED)
+
+
+def test_a_retry_of_a_speculative_view_rolls_its_run_back_and_replays(speculative_app):
+    client = speculative_app.test_client()
+    first = post(client, "/t/spec", key="k")
+    with patch.object(records, "find", wraps=records.find) as find:
+        retry = post(client, "/t/spec", key="k")
+    # The view ran again (the key was not read first) and its event went
+    # with the failed claim; the answer is the saved one, read afterwards.
+    assert calls == ["spec", "spec"]
+    assert find.call_count == 1
+    assert events(speculative_app) == 1
+    assert retry.status_code == 201
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_data() == first.get_data()
+
+
+def test_a_speculative_view_given_another_body_under_the_key_is_422(speculative_app):
+    client = speculative_app.test_client()
+    assert post(client, "/t/spec", key="k", body={"a": 1}).status_code == 201
+    refused = post(client, "/t/spec", key="k", body={"a": 2})
+    assert refused.status_code == 422
+    assert refused.get_json()["type"] == "/problems/idempotency-key-reused"
+    assert events(speculative_app) == 1
+
+
+def test_a_speculative_view_reads_first_again_once_retries_are_common(speculative_app):
+    client = speculative_app.test_client()
+    assert post(client, "/t/spec", key="k").status_code == 201
+    # Retries only: the share of taken keys climbs past a fifth within a
+    # dozen of them (a moving average over about the last 30 requests).
+    for _ in range(12):
+        assert post(client, "/t/spec", key="k").headers["Idempotent-Replayed"] == "true"
+    runs = len(calls)
+    assert runs > 2  # the first retries ran the view
+    for _ in range(5):
+        assert post(client, "/t/spec", key="k").headers["Idempotent-Replayed"] == "true"
+    assert len(calls) == runs  # now each retry is answered by its read alone
+    assert events(speculative_app) == 1
+    # New keys bring the share back down, and the view runs at once again.
+    for i in range(60):
+        assert post(client, "/t/spec", key=f"new-{i}").status_code == 201
+    with patch.object(records, "find", wraps=records.find) as find:
+        assert post(client, "/t/spec", key="last").status_code == 201
+    assert find.call_count == 0
+
+
+def test_a_two_phase_view_cannot_be_speculative():
+    with pytest.raises(ValueError, match="cannot be speculative"):
+        idempotency.idempotent(two_phase=True, speculative=True)

@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from flask import Flask
 from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy.engine import Engine
 
-from webhook_receiver import create_app, inbox
+from webhook_receiver import create_app, database, inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.idempotency import records
 from webhook_receiver.idempotency.records import COMPLETED
@@ -374,18 +375,30 @@ def hold_the_first_and_race(
     # The first request holds its record's row, written but not committed
     # (with the writers' turn, held since its event's insert).
     first_paused = Paused(is_record_write)
-    # Reading the key is a request's first use of a connection: when the
-    # second request gives its first connection back, it has read the key.
-    second_read = Paused(lambda _what: True, hold=False)
+    # The second meets the first either way /api/events may go
+    # (speculative): it reads the key first, its first use of a connection,
+    # and gives that connection back; or it runs the view at once and asks
+    # for the writers' turn to write its event.
+    second_met = Paused(lambda _what: True, hold=False)
+    take_turn = database._LazyTurn.take
+
+    def taking_turn(turn: Any) -> None:
+        second_met("turn")
+        take_turn(turn)
 
     pool = ThreadPoolExecutor(2)
-    with after_each_write(first_paused), on_checkin(app, lambda: second_read("checkin")):
+    with (
+        after_each_write(first_paused),
+        on_checkin(app, lambda: second_met("checkin")),
+        patch.object(database._LazyTurn, "take", taking_turn),
+    ):
         first = start(pool, app, key, BODY, first_paused)
         assert first_paused.reached.wait(WAIT)
-        second = start(pool, app, key, second_body, second_read)
+        second = start(pool, app, key, second_body, second_met)
         # The second request read the key while the first's record was
-        # uncommitted: it saw nothing, and goes on to write its own.
-        assert second_read.reached.wait(WAIT)
+        # uncommitted (it saw nothing, and goes on to write its own), or it
+        # waits for the first's turn to end.
+        assert second_met.reached.wait(WAIT)
         first_paused.release()
         first.result(WAIT)
         second.result(WAIT)
@@ -402,9 +415,9 @@ def _race_inside_the_statement(
         # The first's statement has written its record and waits at its event.
         assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
         second = pool.submit(post, app, key, second_body)
-        # The second read the key (nothing committed: it saw nothing), ran
-        # the view, and its statement waits on the first's row in the
-        # record's unique index.
+        # The second read the key (nothing committed: it saw nothing) or,
+        # speculative, did not; it ran the view, and its statement waits on
+        # the first's row in the record's unique index.
         assert wait_until(lambda: lock_waits(db_url) == 2, timeout=WAIT)
         gate.release()
         first.result(WAIT)

@@ -33,7 +33,9 @@ def _parsed(body: bytes) -> tuple[Any, bytes]:
 
 @bp.post("/events")
 @require_client
-@idempotent
+# Its only effect is the event, rolled back with the transaction: a retry
+# may run it again (speculative), and a new key is then spared its read.
+@idempotent(speculative=True)
 def create_event() -> tuple[Response, int, dict[str, str]]:
     """Store an event posted by an API client."""
     body = request.get_data(cache=True)

@@ -76,14 +76,18 @@ def _now() -> datetime:
 
 
 @overload
-def idempotent(view: F, *, two_phase: bool = False) -> F: ...
+def idempotent(view: F, *, two_phase: bool = False, speculative: bool = False) -> F: ...
 
 
 @overload
-def idempotent(view: None = None, *, two_phase: bool = False) -> Callable[[F], F]: ...
+def idempotent(
+    view: None = None, *, two_phase: bool = False, speculative: bool = False
+) -> Callable[[F], F]: ...
 
 
-def idempotent(view: F | None = None, *, two_phase: bool = False) -> F | Callable[[F], F]:
+def idempotent(
+    view: F | None = None, *, two_phase: bool = False, speculative: bool = False
+) -> F | Callable[[F], F]:
     """Run a view at most once per (client, Idempotency-Key); replay its response after.
 
     Needs ``g.client`` (the authenticated client's name) set before it runs.
@@ -93,10 +97,19 @@ def idempotent(view: F | None = None, *, two_phase: bool = False) -> F | Callabl
     ``two_phase=True`` commits the claim first, under a lease, for a view
     that calls other services: concurrent retries then get 409 at once
     instead of waiting, and a holder that outlives its lease is fenced.
+
+    ``speculative=True`` (one commit only) saves a new key its read while
+    retries are rare (see ``TakenKeys``): the view runs without the key
+    being read first, and if the key turns out taken, its writes are
+    rolled back and the saved answer is replayed. The view's code may then
+    run for a retry, so it suits a view whose only effects are its writes
+    in this database, as ``POST /api/events``.
     """
+    if two_phase and speculative:
+        raise ValueError("a two-phase claim commits before the view: it cannot be speculative")
 
     def decorate(view: F) -> F:
-        run = _two_phase if two_phase else _one_commit
+        taken = TakenKeys() if speculative else None
 
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -109,7 +122,9 @@ def idempotent(view: F | None = None, *, two_phase: bool = False) -> F | Callabl
                 method=request.method,
                 path=request.path,
             )
-            return run(req, view, args, kwargs)
+            if two_phase:
+                return _two_phase(req, view, args, kwargs)
+            return _one_commit(req, view, args, kwargs, taken)
 
         return cast(F, wrapper)
 
@@ -159,23 +174,67 @@ class _NotSaved(Exception):
         self.response = response
 
 
-def _one_commit(req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+class TakenKeys:
+    """The share of a view's recent requests whose key was taken already: retries, mostly.
+
+    It decides whether a speculative view's request reads its key's record
+    before running the view. Reading first is the cheapest answer to a
+    retry, the read being its whole cost, but it costs every new key a
+    round trip. Running the view at once saves that round trip; a retry
+    then runs the view too, its claim finds the key taken, its writes roll
+    back, and it is answered from the record read after. With fewer than a
+    fifth of recent requests retries (a moving average over about the last
+    30), the view runs at once. Either way the claim's unique constraint
+    decides, so only the cost depends on it.
+    """
+
+    # Above this share reading first costs less: a retry claimed at once
+    # costs the view and a failed claim (about twice a new key's read).
+    READ_FIRST_ABOVE = 0.2
+    _WEIGHT = 1 / 32  # of the latest request in the moving average
+
+    def __init__(self) -> None:
+        self.share = 0.0
+
+    def read_first(self) -> bool:
+        return self.share > self.READ_FIRST_ABOVE
+
+    def note(self, *, taken: bool) -> None:
+        # Racing updates from threads may lose one: only an estimate.
+        self.share += ((1.0 if taken else 0.0) - self.share) * self._WEIGHT
+
+
+def _one_commit(
+    req: records.Request,
+    view: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    taken: TakenKeys | None,
+) -> Any:
     config = current_app.config
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
     lock_timeout = float(config["IDEMPOTENCY_LOCK_TIMEOUT_SECONDS"])
+    # Read first (most requests that find a record are retries, and a lone
+    # read is their whole cost) unless the view is speculative and retries rare.
+    read_first = taken is None or taken.read_first()
     for _ in range(5):
         # The read and (on PostgreSQL) the one-statement write share a connection.
         with one_connection(db.engine):
-            # Read first: most requests that find a record are retries, and
-            # a lone read is their whole cost.
-            outcome = records.find(req, _now())
-            if outcome is not None:
-                return _answer(req, outcome)
+            if read_first:
+                outcome = records.find(req, _now())
+                if outcome is not None:
+                    if taken is not None:
+                        taken.note(taken=True)
+                    return _answer(req, outcome)
             response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
         if response is not None:
+            if taken is not None:
+                taken.note(taken=False)
             return response
-        # A racing request with the key committed first (answer from its
-        # record), or the reserved event id was taken: read and run again.
+        # The key was taken (a retry, or a racing request that committed
+        # first): answer from its record. Or the reserved event id was
+        # taken: run again. Either way, read first.
+        read_first = True
     raise RuntimeError("idempotency key did not settle")  # pragma: no cover
 
 

@@ -38,8 +38,9 @@ from ..database import (
 from ..extensions import db
 from ..inbox import (
     HeldEvent,
+    ReservedIdTaken,
     check_reserved_id,
-    check_reserved_ids_current,
+    forget_reserved_ids,
     receipt_binds,
 )
 from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
@@ -287,11 +288,13 @@ def save_with_event(
     except IntegrityError as exc:
         check_reserved_id(db.engine, exc)  # ReservedIdTaken: run the view again
         raise
-    claimed_id, _written = row
-    if claimed_id is None:
-        # Nothing was written: the key is taken, or (ReservedIdTaken) the
-        # sequence went back below the event's id, which the claim refused.
-        check_reserved_ids_current(db.engine, [event])
+    claimed_id, _written, id_current = row
+    if claimed_id is None and not id_current:
+        # Nothing was written as the sequence went back below the event's
+        # id, which the claim refused: run the view again with a fresh one.
+        forget_reserved_ids(db.engine)
+        raise ReservedIdTaken()
+    # Otherwise None: nothing was written, the key is taken.
     return claimed_id is not None
 
 

@@ -404,7 +404,10 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
 
     ``guard`` is a CTE of the caller's own write (the Idempotency-Key
     record's claim); the statement selects its id, None when it wrote
-    nothing, and then writes nothing else either. The event's key must be
+    nothing, and then writes nothing else either, and whether the event's
+    reserved id is still one the sequence handed out (``id_current``), so
+    that a guard that wrote nothing says why without another round trip.
+    The event's key must be
     new: a taken one fails the whole statement (no ``ON CONFLICT``), so an
     answer never names an event that was not written. ``deliveries=False``
     leaves the outbox out, for an event no consumer takes: fewer parameters
@@ -419,6 +422,7 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     return select(
         select(guard.c.id).scalar_subquery().label("guard_id"),
         select(func.count()).select_from(written).scalar_subquery().label("written"),
+        reserved_id_is_current().label("id_current"),
     )
 
 
