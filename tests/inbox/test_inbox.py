@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
 from webhook_receiver.extensions import db
-from webhook_receiver.inbox import statements
+from webhook_receiver.inbox import statements, store
 from webhook_receiver.inbox.driver import DriverStatement, FastPathError
 from webhook_receiver.models import Delivery, Event, EventConflict
 
@@ -393,18 +393,65 @@ def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fie
             assert again == [inbox.Duplicate(fast[1].event_id), inbox.Duplicate(core[2].event_id)]
 
 
-def test_a_batch_logs_each_outcome_at_info_and_conflicts_whatever_the_level(make_app, caplog):
+def test_a_batch_names_each_message_at_info_and_logs_conflicts_whatever_the_level(make_app, caplog):
     app = make_app(_config(forwards=False))
     with app.app_context():
-        inbox.receive_many([message("k1")])
+        first = inbox.receive_many([message("k1")])[0]
         batch = [message("k2"), message("k1"), message("k1", fingerprint="e" * 64)]
         with caplog.at_level(logging.INFO, logger="webhook_receiver.inbox"):
-            inbox.receive_many(batch)
-        assert [r.outcome for r in caplog.records] == ["accepted", "duplicate", "conflict"]
+            outcomes = inbox.receive_many(batch)
+        conflict, line = caplog.records
+        assert (conflict.levelname, conflict.outcome, conflict.dedup_key) == (
+            "ERROR",
+            "conflict",
+            "k1",
+        )
+        assert (line.levelname, line.outcome, line.source) == ("INFO", "batch", "shop")
+        assert line.getMessage() == "batch stored: 1 accepted, 1 duplicates, 1 conflicts"
+        assert line.messages == [
+            {
+                "dedup_key": "k2",
+                "event_id": outcomes[0].event_id,
+                "outcome": "accepted",
+                "correlation_id": "corr-1",
+            },
+            {
+                "dedup_key": "k1",
+                "event_id": first.event_id,
+                "outcome": "duplicate",
+                "correlation_id": "corr-1",
+            },
+            {
+                "dedup_key": "k1",
+                "event_id": first.event_id,
+                "outcome": "conflict",
+                "correlation_id": "corr-1",
+            },
+        ]
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="webhook_receiver.inbox"):
             inbox.receive_many([message("k3"), *batch])
         assert [r.outcome for r in caplog.records] == ["conflict"]
+
+
+def test_a_large_batch_is_logged_in_lines_of_a_few_kilobytes_per_source(make_app, caplog):
+    app = make_app(_config(forwards=False))
+    per_line = store.LOGGED_PER_LINE
+    shop = [message(f"s{i}", correlation_id=None) for i in range(per_line * 2 + 3)]
+    other = [message("o1", source="other"), message("o2", source="other")]
+    with app.app_context(), caplog.at_level(logging.INFO, logger="webhook_receiver.inbox"):
+        inbox.receive_many([*shop[:10], *other, *shop[10:]])
+    lines = [(r.source, [m["dedup_key"] for m in r.messages]) for r in caplog.records]
+    keys = [m.dedup_key for m in shop]
+    assert lines == [
+        ("shop", keys[:per_line]),
+        ("shop", keys[per_line : 2 * per_line]),
+        ("shop", keys[2 * per_line :]),
+        ("other", ["o1", "o2"]),
+    ]
+    # A message without a correlation id has none in its entry.
+    assert "correlation_id" not in caplog.records[0].messages[0]
+    assert "correlation_id" in caplog.records[-1].messages[0]
 
 
 def test_a_batch_settles_a_key_committed_by_another_while_its_statement_waited(make_app):

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -148,15 +148,15 @@ def receive_many(
         for message, event_id in kept:
             _log_outcome(message, Conflict(event_id))
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
-    # A line per message at INFO: not even built when INFO is off (a consumer's batches).
-    info = log.isEnabledFor(logging.INFO)
     redeliveries = []
     for message, outcome in zip(messages, outcomes, strict=True):
         if isinstance(outcome, Duplicate):
             redeliveries.append(duplicates.Redelivery(outcome.event_id, message.received_at or now))
-        if info or isinstance(outcome, Conflict):
-            _log_outcome(message, outcome)
+        elif isinstance(outcome, Conflict):
+            _log_outcome(message, outcome)  # an ERROR line of its own, whatever the level
     duplicates.record_many(redeliveries)
+    if log.isEnabledFor(logging.INFO):
+        _log_batch(messages, outcomes)
     return outcomes
 
 
@@ -757,6 +757,49 @@ def _log_outcome(message: Message, outcome: Outcome) -> None:
     else:
         kind = "accepted" if isinstance(outcome, Accepted) else "duplicate"
         _log(kind, message, outcome.event_id)
+
+
+# Messages named by one batch line: a line stays a few kilobytes, under the
+# line limits of log collectors (Docker's json-file driver splits at 16 KiB).
+LOGGED_PER_LINE = 50
+
+
+def _log_batch(messages: Sequence[Message], outcomes: Sequence[Outcome]) -> None:
+    """A line per source and up to LOGGED_PER_LINE messages of a batch, each with its outcome.
+
+    A consumer stores thousands of messages a second: a line each cost
+    about a tenth of its CPU. Each message is still named in a line, with
+    its dedup key, event id, outcome and correlation id, so a search for a
+    key finds it; conflicts have an ERROR line each as well.
+    """
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for message, outcome in zip(messages, outcomes, strict=True):
+        entry = {
+            "dedup_key": message.dedup_key,
+            "event_id": outcome.event_id,
+            "outcome": _OUTCOME_NAMES[type(outcome)],
+        }
+        if message.correlation_id is not None:
+            entry["correlation_id"] = message.correlation_id
+        by_source.setdefault(message.source, []).append(entry)
+    for source, entries in by_source.items():
+        for start in range(0, len(entries), LOGGED_PER_LINE):
+            chunk = entries[start : start + LOGGED_PER_LINE]
+            counts = Counter(entry["outcome"] for entry in chunk)
+            log.info(
+                "batch stored: %d accepted, %d duplicates, %d conflicts",
+                counts["accepted"],
+                counts["duplicate"],
+                counts["conflict"],
+                extra={"outcome": "batch", "source": source, "messages": chunk},
+            )
+
+
+_OUTCOME_NAMES: dict[type, str] = {
+    Accepted: "accepted",
+    Duplicate: "duplicate",
+    Conflict: "conflict",
+}
 
 
 def _log(outcome: str, message: Message, event_id: int) -> None:
