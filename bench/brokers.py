@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import nats
 import pika
@@ -220,6 +220,8 @@ def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
 
 
 APPS: list[Any] = []
+# Where the apps' log lines go, once main() has opened it.
+LOG_FILE: list[IO[str]] = []
 
 
 def close_apps() -> None:
@@ -238,6 +240,7 @@ def make_app(db_url: str, table: dict[str, Any]) -> Any:
     from flask_migrate import upgrade
 
     from webhook_receiver import create_app
+    from webhook_receiver.observability.logging import configure as configure_logs
 
     app = create_app(
         {
@@ -248,6 +251,9 @@ def make_app(db_url: str, table: dict[str, Any]) -> Any:
     )
     with app.app_context():
         upgrade()
+    if LOG_FILE:
+        # After the migrations, whose logging set-up replaces the root's.
+        configure_logs("json", "INFO", LOG_FILE[0])
     APPS.append(app)
     return app
 
@@ -367,24 +373,30 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="rounds of each case, each with its own bare loop"
     )
     args = parser.parse_args(argv)
-    # The inbox logs a line per message at INFO; measured at WARNING (see bench/README.md).
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    logging.getLogger("pika").setLevel(logging.ERROR)
     brokers = ["rabbitmq", "nats"] if args.broker == "both" else [args.broker]
     dbs = ["sqlite", "postgresql"] if args.db == "both" else [args.db]
     batches = [1, 10, 100, 500] if args.curve else [args.batch]
     RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("pika").setLevel(logging.ERROR)
     rows: list[Row] = []
     print(*HEADER, sep="\n", flush=True)
-    with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
+    # Measured as a consumer runs by default: INFO, the app's JSON lines (a
+    # batch's lines name its messages), here into a file beside the table.
+    with (
+        tempfile.TemporaryDirectory(dir=RESULTS) as tmp,
+        open(RESULTS / f"brokers-{stamp}.log", "w") as log_file,
+    ):
+        LOG_FILE.append(log_file)
         for db in dbs:
             for broker in brokers:
                 with ExitStack() as stack:
                     url = stack.enter_context(database(db, Path(tmp)))
                     stack.callback(close_apps)
                     rows += run_broker(broker, db, url, args.count, batches, max(1, args.rounds))
-    out = RESULTS / f"brokers-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    out = RESULTS / f"brokers-{stamp}.md"
     out.write_text("\n".join([*HEADER, *map(_line, rows)]) + "\n")
     print(f"written to {out}", file=sys.stderr)
     return 0
