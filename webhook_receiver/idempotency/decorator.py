@@ -188,8 +188,9 @@ class TakenKeys:
     decides, so only the cost depends on it.
     """
 
-    # Above this share reading first costs less: a retry claimed at once
-    # costs the view and a failed claim (about twice a new key's read).
+    # A retry run at once costs about three reads more than reading first
+    # (its view, its failed claim) and a new key saves one: break-even near
+    # a quarter; a fifth leaves room.
     READ_FIRST_ABOVE = 0.2
     _WEIGHT = 1 / 32  # of the latest request in the moving average
 

@@ -407,11 +407,10 @@ def receive_if(guard: Any, *, deliveries: bool = True) -> Any:
     nothing, and then writes nothing else either, and whether the event's
     reserved id is still one the sequence handed out (``id_current``), so
     that a guard that wrote nothing says why without another round trip.
-    The event's key must be
-    new: a taken one fails the whole statement (no ``ON CONFLICT``), so an
-    answer never names an event that was not written. ``deliveries=False``
-    leaves the outbox out, for an event no consumer takes: fewer parameters
-    to convert and a smaller plan.
+    The event's key must be new: a taken one fails the whole statement (no
+    ``ON CONFLICT``), so an answer never names an event that was not
+    written. ``deliveries=False`` leaves the outbox out, for an event no
+    consumer takes: fewer parameters to convert and a smaller plan.
     """
     names = ["id", *EVENT_COLUMNS]
     new_row = select(*[_value(name) for name in names]).where(select(guard.c.id).exists())

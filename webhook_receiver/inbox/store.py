@@ -768,7 +768,7 @@ def _log_batch(messages: Sequence[Message], outcomes: Sequence[Outcome]) -> None
     """A line per source and up to LOGGED_PER_LINE messages of a batch, each with its outcome.
 
     A consumer stores thousands of messages a second: a line each cost
-    about a tenth of its CPU. Each message is still named in a line, with
+    about a quarter of its Python per message. Each message is still named in a line, with
     its dedup key, event id, outcome and correlation id, so a search for a
     key finds it; conflicts have an ERROR line each as well.
     """
