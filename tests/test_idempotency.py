@@ -379,9 +379,14 @@ def request_print(app, path: str) -> str:
 # -- speculative: the view runs before the key is read, while retries are rare --
 
 
+# What the flaky speculative view does on its runs after the first.
+later_runs: dict[str, int | None] = {"answer": None}
+
+
 @pytest.fixture
 def speculative_app(make_app):
     calls.clear()
+    later_runs["answer"] = None
     app = make_app(PROPAGATE_EXCEPTIONS=False)
     bp = Blueprint("speculative_test", __name__)
 
@@ -392,6 +397,18 @@ def speculative_app(make_app):
         calls.append("spec")
         event_id = _write_event("spec")
         return jsonify(id=event_id), 201
+
+    @bp.post("/t/spec-fails-after-the-first")
+    @require_client
+    @idempotency.idempotent(speculative=True)
+    def fails_after_the_first():
+        calls.append("flaky")
+        event_id = _write_event("flaky")
+        if len(calls) == 1:
+            return jsonify(id=event_id), 201
+        if later_runs["answer"] == 503:
+            return jsonify(error="downstream"), 503
+        raise RuntimeError("a bug that shows on a second run")
 
     app.register_blueprint(bp)
     return app
@@ -455,3 +472,29 @@ def test_a_speculative_view_reads_first_again_once_retries_are_common(speculativ
 def test_a_two_phase_view_cannot_be_speculative():
     with pytest.raises(ValueError, match="cannot be speculative"):
         idempotency.idempotent(two_phase=True, speculative=True)
+
+
+@pytest.mark.parametrize("failure", ["raises", "answers 503"])
+def test_a_retry_whose_speculative_run_fails_gets_the_saved_answer(speculative_app, failure):
+    client = speculative_app.test_client()
+    path = "/t/spec-fails-after-the-first"
+    first = post(client, path, key="k")
+    assert first.status_code == 201
+    later_runs["answer"] = 503 if failure == "answers 503" else None
+    retry = post(client, path, key="k")
+    # The view ran again and failed; nothing of it was kept, and the key's
+    # saved answer is the retry's, as if the key had been read first.
+    assert calls == ["flaky", "flaky"]
+    assert retry.status_code == 201
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_data() == first.get_data()
+    assert events(speculative_app) == 1
+
+
+def test_a_new_key_whose_speculative_run_fails_answers_the_failure(speculative_app):
+    client = speculative_app.test_client()
+    calls.append("the first run happened elsewhere")  # the view fails from now on
+    response = post(client, "/t/spec-fails-after-the-first", key="fresh")
+    assert response.status_code == 500
+    assert record(speculative_app, "fresh") is None  # the key stays free for the retry
+    assert events(speculative_app) == 0

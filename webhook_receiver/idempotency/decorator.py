@@ -219,6 +219,7 @@ def _one_commit(
     # read is their whole cost) unless the view is speculative and retries rare.
     read_first = taken is None or taken.read_first()
     for _ in range(5):
+        failed: Exception | None = None
         # The read and (on PostgreSQL) the one-statement write share a connection.
         with one_connection(db.engine):
             if read_first:
@@ -227,7 +228,23 @@ def _one_commit(
                     if taken is not None:
                         taken.note(taken=True)
                     return _answer(req, outcome)
-            response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+            try:
+                response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+            except Exception as exc:
+                if read_first:
+                    raise
+                failed, response = exc, None
+        if taken is not None and not read_first:
+            unsaved_5xx = response is not None and response.status_code >= 500
+            if failed is not None or unsaved_5xx:
+                # The view ran before the key was read, and nothing was
+                # committed: for a retry, its saved answer wins.
+                outcome = _find_after_failure(req)
+                if outcome is not None:
+                    taken.note(taken=True)
+                    return _answer(req, outcome)
+            if failed is not None:
+                raise failed
         if response is not None:
             if taken is not None:
                 taken.note(taken=False)
@@ -237,6 +254,16 @@ def _one_commit(
         # taken: run again. Either way, read first.
         read_first = True
     raise RuntimeError("idempotency key did not settle")  # pragma: no cover
+
+
+def _find_after_failure(
+    req: records.Request,
+) -> records.Replay | records.Mismatch | records.InFlight | None:
+    """The key's record after a speculative run failed; None if free or unreadable."""
+    try:
+        return records.find(req, _now())
+    except Exception:
+        return None  # the database is what failed: the run's own error stands
 
 
 def _run_in_one_transaction(
