@@ -21,6 +21,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, Event, utcnow
 
 from .conftest import CI
+from .rows import event_row
 from .servers import ROOT
 
 RULES = ROOT / "deploy" / "prometheus"
@@ -68,13 +69,7 @@ def _pending(app, *, due_in: timedelta) -> None:
     now = utcnow()
     with app.app_context():
         event = Event(
-            source="stripe",
-            dedup_key=f"evt-{due_in.total_seconds()}",
-            fingerprint="0" * 64,
-            body=b"{}",
-            headers=[],
-            meta={},
-            received_at=now,
+            **event_row(source="stripe", dedup_key=f"evt-{due_in.total_seconds()}", received_at=now)
         )
         db.session.add(event)
         db.session.flush()

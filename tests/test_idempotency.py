@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import uuid
 from datetime import timedelta
 from unittest.mock import patch
 
@@ -28,24 +27,14 @@ from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 from webhook_receiver.problems import Problem
 
 from .conftest import bearer
+from .rows import event_row
 
 calls: list[str] = []
 
 
 def _write_event(tag: str) -> int:
     return db.session.execute(
-        insert(Event.__table__)
-        .values(
-            source="test",
-            dedup_key=uuid.uuid4().hex,
-            event_type=tag,
-            fingerprint="0" * 64,
-            body=b"{}",
-            headers=[],
-            meta={},
-            received_at=utcnow(),
-        )
-        .returning(Event.__table__.c.id)
+        insert(Event.__table__).values(event_row(event_type=tag)).returning(Event.__table__.c.id)
     ).scalar_one()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -40,6 +39,7 @@ from webhook_receiver.idempotency import decorator, records
 from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 
 from .conftest import bearer
+from .rows import event_row
 
 LEASE = timedelta(seconds=60)
 TTL = timedelta(seconds=300)
@@ -227,16 +227,7 @@ def _effect(key: str, generation: int) -> None:
     # The view's write, in the holder's transaction; the generation tells
     # which lifetime of the key it belongs to.
     db.session.execute(
-        insert(_events).values(
-            source=f"prop:{key}",
-            dedup_key=uuid.uuid4().hex,
-            event_type=str(generation),
-            fingerprint="0" * 64,
-            body=b"{}",
-            headers=[],
-            meta={},
-            received_at=utcnow(),
-        )
+        insert(_events).values(event_row(source=f"prop:{key}", event_type=str(generation)))
     )
 
 

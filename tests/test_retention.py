@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import traceback
-import uuid
 from datetime import timedelta
 
 import pytest
@@ -28,6 +27,7 @@ from webhook_receiver.processing import deliveries
 from webhook_receiver.retention import purge
 
 from .conftest import CLIENTS, SECRET_KEY
+from .rows import event_row
 from .servers import ROOT, app_env
 
 GENERIC = {"provider": "generic", "secrets": ["s" * 16], "signature_header": "X-Sig"}
@@ -45,16 +45,7 @@ def add_event(source: str, age_days: float, deliveries: tuple[str, ...] = ()) ->
     received = now - timedelta(days=age_days)
     event_id = db.session.execute(
         insert(Event.__table__)
-        .values(
-            source=source,
-            dedup_key=uuid.uuid4().hex,
-            event_type="t",
-            fingerprint="0" * 64,
-            body=b"{}",
-            headers=[],
-            meta={},
-            received_at=received,
-        )
+        .values(event_row(source=source, event_type="t", received_at=received))
         .returning(Event.__table__.c.id)
     ).scalar_one()
     for n, state in enumerate(deliveries):

@@ -31,6 +31,7 @@ from webhook_receiver.models import Delivery, Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 
 from ..conftest import bearer
+from ..rows import event_row
 from .test_inbox import (
     _config,
     _count,
@@ -238,14 +239,7 @@ def test_a_reserved_id_handed_out_again_is_replaced_and_the_request_runs_again(m
         # The sequence went back (a restore): another writer got that id.
         db.session.execute(
             insert(Event).values(
-                id=taken,
-                source="elsewhere",
-                dedup_key="x",
-                fingerprint="0" * 64,
-                body=b"",
-                headers=[],
-                meta={},
-                received_at=NOW,
+                event_row(id=taken, source="elsewhere", dedup_key="x", received_at=NOW)
             )
         )
         db.session.commit()

@@ -24,6 +24,7 @@ from webhook_receiver.inbox.driver import DriverStatement, FastPathError
 from webhook_receiver.models import Delivery, Event, EventConflict
 
 from ..conftest import CLIENTS
+from ..rows import event_row
 from ..webhooks.signing import hmac_hex
 
 WHEN = datetime(2026, 12, 3, 8, 30, 15, 123456, tzinfo=UTC)
@@ -530,14 +531,7 @@ def test_a_sqlite_batch_past_the_largest_rowid_is_stored_through_core(make_app):
     with app.app_context():
         db.session.execute(
             insert(Event).values(
-                id=2**63 - 1,
-                source="elsewhere",
-                dedup_key="last",
-                fingerprint="0" * 64,
-                body=b"",
-                headers=[],
-                meta={},
-                received_at=WHEN,
+                event_row(id=2**63 - 1, source="elsewhere", dedup_key="last", received_at=WHEN)
             )
         )
         db.session.commit()
