@@ -109,7 +109,7 @@ def idempotent(
         raise ValueError("a two-phase claim commits before the view: it cannot be speculative")
 
     def decorate(view: F) -> F:
-        taken = TakenKeys() if speculative else None
+        taken = TakenKeys(speculative)
 
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -194,11 +194,13 @@ class TakenKeys:
     READ_FIRST_ABOVE = 0.2
     _WEIGHT = 1 / 32  # of the latest request in the moving average
 
-    def __init__(self) -> None:
+    def __init__(self, speculative: bool) -> None:
+        self.speculative = speculative
         self.share = 0.0
 
     def read_first(self) -> bool:
-        return self.share > self.READ_FIRST_ABOVE
+        # A view that is not speculative always reads first.
+        return not self.speculative or self.share > self.READ_FIRST_ABOVE
 
     def note(self, *, taken: bool) -> None:
         # Racing updates from threads may lose one: only an estimate.
@@ -210,14 +212,14 @@ def _one_commit(
     view: Callable[..., Any],
     args: Any,
     kwargs: Any,
-    taken: TakenKeys | None,
+    taken: TakenKeys,
 ) -> Any:
     config = current_app.config
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
     lock_timeout = float(config["IDEMPOTENCY_LOCK_TIMEOUT_SECONDS"])
     # Read first (most requests that find a record are retries, and a lone
     # read is their whole cost) unless the view is speculative and retries rare.
-    read_first = taken is None or taken.read_first()
+    read_first = taken.read_first()
     for _ in range(5):
         failed: Exception | None = None
         # The read and (on PostgreSQL) the one-statement write share a connection.
@@ -225,8 +227,7 @@ def _one_commit(
             if read_first:
                 outcome = records.find(req, _now())
                 if outcome is not None:
-                    if taken is not None:
-                        taken.note(taken=True)
+                    taken.note(taken=True)
                     return _answer(req, outcome)
             try:
                 response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
@@ -234,7 +235,7 @@ def _one_commit(
                 if read_first:
                     raise
                 failed, response = exc, None
-        if taken is not None and not read_first:
+        if not read_first:
             unsaved_5xx = response is not None and response.status_code >= 500
             if failed is not None or unsaved_5xx:
                 # The view ran before the key was read, and nothing was
@@ -246,8 +247,7 @@ def _one_commit(
             if failed is not None:
                 raise failed
         if response is not None:
-            if taken is not None:
-                taken.note(taken=False)
+            taken.note(taken=False)
             return response
         # The key was taken (a retry, or a racing request that committed
         # first): answer from its record. Or the reserved event id was

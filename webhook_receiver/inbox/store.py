@@ -755,8 +755,7 @@ def _log_outcome(message: Message, outcome: Outcome) -> None:
             },
         )
     else:
-        kind = "accepted" if isinstance(outcome, Accepted) else "duplicate"
-        _log(kind, message, outcome.event_id)
+        _log(_OUTCOME_NAMES[type(outcome)], message, outcome.event_id)
 
 
 # Messages named by one batch line: a line stays a few kilobytes, under the
