@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from webhook_receiver.brokers.identify import Delivery, identify
+from dataclasses import replace
+
+from webhook_receiver.brokers.identify import Delivery, content_fingerprint, identify
 from webhook_receiver.config import BrokerSourceConfig
+from webhook_receiver.fingerprint import fingerprint
 
 SOURCE = BrokerSourceConfig(
     name="orders",
@@ -52,3 +55,31 @@ def test_a_nul_in_meta_or_a_header_is_replaced_as_jsonb_cannot_hold_it():
         "properties": {"message_id": "evt-1", "type": "order.paid", "app_id": "a\ufffdb"},
     }
     assert message.headers == (("X-Trace", "t\ufffd"),)
+
+
+def test_the_fingerprint_covers_the_type_and_the_bytes_as_sent():
+    # Nothing is parsed for it: a redelivery's bytes are the same.
+    first = identify(SOURCE, _delivery(body=b'{"id": "evt-1", "n": 1}'))
+    respelled = identify(SOURCE, _delivery(body=b'{"n":1,"id":"evt-1"}'))
+    assert first.fingerprint == fingerprint(["order.paid", b'{"id": "evt-1", "n": 1}'])
+    assert respelled.fingerprint != first.fingerprint
+    # Labelled JSON that is not: identified all the same, by its bytes.
+    broken = identify(SOURCE, _delivery(body=b'{"id": '))
+    assert broken.fingerprint == fingerprint(["order.paid", b'{"id": '])
+
+
+def test_the_content_fingerprint_compares_json_once_parsed_and_other_bodies_as_bytes():
+    compare = content_fingerprint(SOURCE)
+    json_type = "application/json"
+    assert compare(b'{"id": "evt-1", "n": 1}', "t", json_type) == compare(
+        b'{"n":1,"id":"evt-1"}', "t", json_type
+    )
+    assert compare(b'{"n": 1}', "t", json_type) != compare(b'{"n": 2}', "t", json_type)
+    assert compare(b'{"n": 1}', "t", json_type) != compare(b'{"n": 1}', "u", json_type)
+    assert compare(b'{"n": 1}', "t", "text/plain") != compare(b'{"n":1}', "t", "text/plain")
+    assert compare(b'{"id": ', "t", json_type) == fingerprint(["t", b'{"id": '])
+    # A body a json: spec reads is JSON whatever its label says.
+    by_body = content_fingerprint(replace(SOURCE, dedup_key="json:/id"))
+    assert by_body(b'{"id": 1, "n": 1}', "t", None) == by_body(b'{"n":1,"id":1}', "t", None)
+    # What identify fingerprinted before fingerprints covered the bytes.
+    assert compare(b'{"n": 1}', "t", json_type) == fingerprint(["t", b'{"n":1}'])

@@ -86,6 +86,25 @@ def test_conflicting_message_kept_and_dead_lettered_with_its_reason(make_app, je
     assert dead_letter_count(app, SOURCE, "conflict") == 1
 
 
+def test_json_serialised_again_under_its_key_is_a_duplicate_not_a_conflict(make_app, jetstream):
+    # Published again with other bytes of the same content (and past
+    # JetStream's own duplicate window, under another Nats-Msg-Id): acked as
+    # a duplicate. Other content is still a conflict.
+    app = _app(make_app, jetstream, dedup_key="json:/payment")
+    subject, body, headers = _message(1)
+    respelled = json.dumps(json.loads(body), indent=1, sort_keys=True).encode()
+    changed = json.dumps({"total": 2, "payment": 1}).encode()
+    jetstream.publish([(subject, body, headers)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        jetstream.publish([(subject, respelled, {**headers, "Nats-Msg-Id": "pay-1-again"})])
+        assert wait_until(lambda: duplicate_total(app) == 1 and jetstream.pending() == (0, 0), 30)
+        jetstream.publish([(subject, changed, {**headers, "Nats-Msg-Id": "pay-1-changed"})])
+        assert wait_until(lambda: count_conflicts(app) == 1 and jetstream.pending() == (0, 0), 30)
+    assert count_events(app) == 1
+    assert dead_letter_count(app, SOURCE, "conflict") == 1
+
+
 def test_message_without_key_dead_lettered_and_not_stored(make_app, jetstream):
     app = _app(make_app, jetstream)
     jetstream.publish([("paid", b"no id here", {}), _message(2)])

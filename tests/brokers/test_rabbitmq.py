@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from sqlalchemy import insert
 
 from .conftest import (
     consuming,
@@ -71,6 +72,59 @@ def test_conflicting_message_kept_and_dead_lettered_unchanged(make_app, amqp_que
     assert props.headers["x-shop"] == "a"
     assert amqp_queue.ready() == 0
     assert dead_letter_count(app, SOURCE, "conflict") == 1
+
+
+def test_json_serialised_again_under_its_key_is_a_duplicate_not_a_conflict(make_app, amqp_queue):
+    # A producer that retries by serialising its message again sends other
+    # bytes (key order, spacing) of the same content: acked as a duplicate.
+    # Other content in the same spelling is still a conflict.
+    app = _app(make_app, amqp_queue)
+    body, props = _message(1)
+    respelled = json.dumps(json.loads(body), separators=(",", ":"), sort_keys=False)
+    reordered = json.dumps(dict(reversed(list(json.loads(body).items()))), indent=2)
+    changed = json.dumps({"total": 11, "order": 1}, indent=2)
+    amqp_queue.publish([(body, props)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        amqp_queue.publish([(respelled.encode(), props), (reordered.encode(), props)])
+        assert wait_until(lambda: duplicate_total(app) == 2 and amqp_queue.ready() == 0, 30)
+        amqp_queue.publish([(changed.encode(), props)])
+        assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
+    assert (count_events(app), count_conflicts(app), duplicate_total(app)) == (1, 1, 2)
+    assert dead_letter_count(app, SOURCE, "conflict") == 1
+
+
+def test_an_event_stored_under_its_content_fingerprint_takes_its_redelivery(make_app, amqp_queue):
+    # Events stored before fingerprints covered a message's bytes carry the
+    # fingerprint of its canonical JSON: their redeliveries are duplicates.
+    from webhook_receiver.extensions import db
+    from webhook_receiver.fingerprint import canonical_json, fingerprint, loads
+    from webhook_receiver.models import Event
+
+    from ..rows import event_row
+
+    app = _app(make_app, amqp_queue)
+    body, props = _message(1)
+    with app.app_context():
+        canonical = fingerprint(["order.created", canonical_json(loads(body))])
+        assert canonical != fingerprint(["order.created", body])
+        db.session.execute(
+            insert(Event),
+            event_row(
+                source=SOURCE,
+                dedup_key="msg-1",
+                event_type="order.created",
+                content_type="application/json",
+                fingerprint=canonical,
+                body=body,
+            ),
+        )
+        db.session.commit()
+    amqp_queue.publish([(body, props)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: duplicate_total(app) == 1 and amqp_queue.ready() == 0, 30)
+    assert (count_events(app), count_conflicts(app)) == (1, 0)
+    assert amqp_queue.ready(amqp_queue.dead) == 0
 
 
 def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):

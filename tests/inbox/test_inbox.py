@@ -8,6 +8,8 @@ inside the database, where a crash between the writes would.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 from datetime import UTC, datetime, timedelta, timezone
@@ -274,6 +276,66 @@ def test_a_batch_settles_each_message_in_one_transaction(make_app):
         assert counts[stored.event_id] == 1
         assert counts[new_1.event_id] == 1
         assert inbox.receive_many([]) == []
+
+
+def _by_content(body: bytes, event_type: str | None, content_type: str | None) -> str:
+    # A content fingerprint as a broker source's: JSON compared once parsed.
+    return f"{event_type}:{json.dumps(json.loads(body), sort_keys=True, separators=(',', ':'))}"
+
+
+def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app):
+    # A broker's fingerprints cover the bytes as sent: bytes that differ are
+    # compared again by their content before they are called a conflict,
+    # whether the key's event was stored before the batch or in it.
+    app = make_app(_config(forwards=False))
+    json_message = functools.partial(message, content_type="application/json")
+    with app.app_context():
+        stored = inbox.receive(json_message("stored", body=b'{"a": 1, "b": 2}'))
+        assert isinstance(stored, inbox.Accepted)
+        batch = [
+            json_message("stored", fingerprint="b" * 64, body=b'{"b":2,"a":1}'),
+            json_message("new", fingerprint="c" * 64, body=b'{"x": [1, 2]}'),
+            json_message("new", fingerprint="d" * 64, body=b'{ "x" : [1,2] }'),
+            json_message("stored", fingerprint="e" * 64, body=b'{"a": 1, "b": 3}'),
+            json_message("new", fingerprint="f" * 64, body=b'{"x": [2, 1]}'),
+        ]
+        outcomes = inbox.receive_many(batch, content_fingerprint=_by_content)
+        new = outcomes[1]
+        assert isinstance(new, inbox.Accepted)
+        assert outcomes == [
+            inbox.Duplicate(stored.event_id),
+            new,
+            inbox.Duplicate(new.event_id),
+            inbox.Conflict(stored.event_id),
+            inbox.Conflict(new.event_id),
+        ]
+        # Without it, other bytes are other content, as before.
+        again = inbox.receive_many(batch[:1])
+        assert again == [inbox.Conflict(stored.event_id)]
+        db.session.rollback()
+        kept = db.session.execute(
+            select(EventConflict.event_id, EventConflict.fingerprint, EventConflict.body)
+        ).all()
+        # Kept under the content's fingerprint: a copy serialised otherwise is the same conflict.
+        assert sorted(kept) == sorted(
+            [
+                (stored.event_id, 'order.paid:{"a":1,"b":3}', b'{"a": 1, "b": 3}'),
+                (new.event_id, 'order.paid:{"x":[2,1]}', b'{"x": [2, 1]}'),
+                (stored.event_id, "b" * 64, b'{"b":2,"a":1}'),
+            ]
+        )
+        copy = json_message("stored", fingerprint="g" * 64, body=b'{"b":3,"a":1}')
+        assert inbox.receive_many([copy], content_fingerprint=_by_content) == [
+            inbox.Conflict(stored.event_id)
+        ]
+        db.session.rollback()
+        seen = db.session.scalar(
+            select(EventConflict.seen_count).where(
+                EventConflict.fingerprint == 'order.paid:{"a":1,"b":3}'
+            )
+        )
+        assert seen == 2
+        assert _count(Event) == 2
 
 
 def test_a_batch_whose_conflict_could_not_be_kept_settles_all_of_it_when_sent_again(make_app):

@@ -27,7 +27,7 @@ from ..config import BrokerSourceConfig
 from ..database import is_unavailable
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
 from ..observability import metrics
-from .identify import Delivery, Unidentified, identify
+from .identify import Delivery, Unidentified, content_fingerprint, identify
 from .outage import Outage
 
 log = logging.getLogger(__name__)
@@ -97,16 +97,17 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
     is away or locked.
     """
     messages, verdicts = prepared
+    compare = content_fingerprint(source)
     outcomes: Sequence[Outcome | Verdict]
     try:
-        outcomes = inbox.receive_many(messages)
+        outcomes = inbox.receive_many(messages, content_fingerprint=compare)
     except (DBAPIError, PoolTimeoutError) as exc:
         if is_unavailable(exc):
             raise DatabaseUnavailable(_cause(exc)) from exc
         # One message the database refuses must not hold back the batch on
         # every redelivery: store them one by one to find it.
         log.warning("source %s: a batch failed to store (%s); storing one by one", source.name, exc)
-        outcomes = [_one(message) for message in messages]
+        outcomes = [_one(message, compare) for message in messages]
     _count(source.name, outcomes)
     if len(outcomes) == len(verdicts):  # every delivery was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
@@ -114,9 +115,9 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
     return [v if v is not None else _verdict(next(stored)) for v in verdicts]
 
 
-def _one(message: Message) -> Outcome | Verdict:
+def _one(message: Message, compare: inbox.ContentFingerprint) -> Outcome | Verdict:
     try:
-        return inbox.receive_many([message])[0]
+        return inbox.receive_many([message], content_fingerprint=compare)[0]
     except (DBAPIError, PoolTimeoutError) as exc:
         if is_unavailable(exc):
             raise DatabaseUnavailable(_cause(exc)) from exc

@@ -5,6 +5,12 @@ property or header, a NATS header or subject, a JSON pointer into the
 body), never from what the broker sets per delivery (delivery tag,
 redelivered flag, delivery count, stream sequence, timestamps), so a
 redelivery is recognised as the same message.
+
+The fingerprint covers the type and the bytes as sent: a redelivery's bytes
+are the same, and nothing need be parsed for it (a body is parsed only
+when a ``json:`` spec reads it). Bytes that differ under a taken key are
+compared again by :func:`content_fingerprint` (canonical JSON, as for
+webhooks) before they are called a conflict: see ``inbox.receive_many``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from sqlalchemy import String
 from .. import events
 from ..config import BrokerSourceConfig, parse_broker_spec
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..inbox import Message
+from ..inbox import ContentFingerprint, Message
 from ..models import Event
 from ..processing.ordering import resolve_pointer
 
@@ -72,28 +78,23 @@ _CONTENT_TYPE_LENGTH = _length("content_type")
 
 def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
     """Build the inbox Message of ``delivery``, or raise Unidentified."""
-    key_spec = _spec(source.dedup_key, source.provider, "dedup_key")
-    type_spec = _spec(source.event_type, source.provider, "event_type")
-    needs_json = "json" in (key_spec[0], type_spec[0])
+    key_spec, type_spec, needs_json = _specs(source.dedup_key, source.event_type, source.provider)
     parsed: Any = None
-    if needs_json or is_json_type(delivery.content_type):
+    if needs_json:
         try:
             parsed = loads(delivery.body)
         except JSONError as exc:
-            if needs_json:
-                raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
-            # Labelled JSON that is not: stored as the bytes it is.
+            raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
     key = _read(key_spec, delivery, parsed)
     if not key:
         raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
     event_type = _read(type_spec, delivery, parsed) or None
     _check_storable(key, event_type, delivery.content_type)
-    content = canonical_json(parsed) if parsed is not None else delivery.body
     return Message(
         source=source.name,
         dedup_key=key,
         # Only what the producer sent decides it; delivery counters must not.
-        fingerprint=fingerprint([event_type or "", content]),
+        fingerprint=fingerprint([event_type or "", delivery.body]),
         body=delivery.body,
         event_type=event_type,
         content_type=delivery.content_type or None,
@@ -103,13 +104,46 @@ def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
     )
 
 
+def content_fingerprint(source: BrokerSourceConfig) -> ContentFingerprint:
+    """The fingerprint by which a source's messages are compared when their bytes differ.
+
+    The type and the content: canonical JSON for a body labelled JSON (or
+    read by a ``json:`` spec), so that JSON serialised again (key order,
+    whitespace) is the same content; other bodies as their bytes. It is
+    what this module fingerprinted before fingerprints covered the bytes,
+    so events stored then compare the same way.
+    """
+    needs_json = _specs(source.dedup_key, source.event_type, source.provider)[2]
+    return functools.partial(_content_fingerprint, needs_json)
+
+
+def _content_fingerprint(
+    needs_json: bool, body: bytes, event_type: str | None, content_type: str | None
+) -> str:
+    content = body
+    if needs_json or is_json_type(content_type):
+        try:
+            content = canonical_json(loads(body))
+        except JSONError:
+            pass  # labelled JSON that is not: compared as the bytes it is
+    return fingerprint([event_type or "", content])
+
+
+_Spec = tuple[str, str]
+
+
 @functools.cache
-def _spec(spec: str, provider: str, key: str) -> tuple[str, str]:
-    # Validated with the config; parsed once per source rather than per message.
-    return parse_broker_spec(spec, provider, key)
+def _specs(dedup_key: str, event_type: str, provider: str) -> tuple[_Spec, _Spec, bool]:
+    """A source's key and type specs, and whether they read the body as JSON.
+
+    Validated with the config; parsed once per source rather than per message.
+    """
+    key_spec = parse_broker_spec(dedup_key, provider, "dedup_key")
+    type_spec = parse_broker_spec(event_type, provider, "event_type")
+    return key_spec, type_spec, "json" in (key_spec[0], type_spec[0])
 
 
-def _read(spec: tuple[str, str], delivery: Delivery, parsed: Any) -> str | None:
+def _read(spec: _Spec, delivery: Delivery, parsed: Any) -> str | None:
     kind, arg = spec
     value: Any
     if kind == "subject":

@@ -27,6 +27,7 @@ from .driver import FastPathError
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .store import (
     EXTENSION,
+    ContentFingerprint,
     HeldEvent,
     ReservedIdTaken,
     Routes,
@@ -45,6 +46,7 @@ __all__ = [
     "Accepted",
     "BatchRefused",
     "Conflict",
+    "ContentFingerprint",
     "Duplicate",
     "FastPathError",
     "HeldEvent",

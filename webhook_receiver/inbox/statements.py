@@ -96,6 +96,10 @@ class Statements:
         # For a batch: which of its keys were new.
         self.insert_events = ignoring.returning(events.c.id, events.c.source, events.c.dedup_key)
         self.insert_deliveries = insert(deliveries)
+        # What a content fingerprint is computed from (see receive_many).
+        self.find_contents = select(
+            events.c.id, events.c.body, events.c.event_type, events.c.content_type
+        ).where(events.c.id.in_(bindparam("b_ids", expanding=True)))
         self.keep_conflict = _conflict_upsert(engine)
         # The event alone, on the driver: SQLite's receipt, and an event
         # with no deliveries added to a unit of work (inbox.add).

@@ -44,6 +44,9 @@ EXTENSION = "webhook_receiver.inbox"
 
 # (source, event type) -> the (name, kind) of each consumer of a new event.
 Routes = Callable[[str, str | None], list[tuple[str, str]]]
+# (body, event type, content type) -> the fingerprint of that content, for
+# an intake whose messages' fingerprints cover their bytes (see receive_many).
+ContentFingerprint = Callable[[bytes, str | None, str | None], str]
 
 
 def _routes() -> Routes:
@@ -107,7 +110,11 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
 
 
 def receive_many(
-    messages: Sequence[Message], *, all_or_nothing: bool = False, fast: bool = True
+    messages: Sequence[Message],
+    *,
+    all_or_nothing: bool = False,
+    fast: bool = True,
+    content_fingerprint: ContentFingerprint | None = None,
 ) -> list[Outcome]:
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
@@ -125,6 +132,12 @@ def receive_many(
     the conflicts with stored events are kept for review all the same, and
     BatchRefused says which. ``fast=False`` takes the plain Core statements
     instead of PostgreSQL's one statement (the contract tests compare them).
+
+    ``content_fingerprint``: the messages' fingerprints cover their bytes as
+    sent (cheap: nothing parsed), and a message whose fingerprint differs
+    from its key's event is compared again by this fingerprint of the
+    content (canonical JSON, say), computed for both; the same, it is a
+    duplicate. A conflict is then kept under its content fingerprint.
     """
     if not messages:
         return []
@@ -135,7 +148,7 @@ def receive_many(
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
-    batch = _Batch(messages, first, rows, now)
+    batch = _Batch(messages, first, rows, now, content_fingerprint)
     try:
         outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
     except _Refused as refused:
@@ -174,6 +187,7 @@ class _Batch(NamedTuple):
     # The events row of each key, in ``first``'s order.
     rows: list[dict[str, Any]]
     now: datetime
+    content_fingerprint: ContentFingerprint | None
 
 
 # What a batch's writes found: the new events' ids, and the events already
@@ -200,6 +214,7 @@ def _store_batch(
             # fail, receive_many raises before any message is settled, and
             # the redelivery finds the same conflict again.
             with transaction(engine) as conn:
+                conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
                 _keep_conflicts(conn, statements, conflicts, batch.now)
         return outcomes, new_ids, conflicts
     write: _Writer = (
@@ -223,6 +238,8 @@ def _store_in_transaction(
     with transaction(engine) as conn:
         new_ids, stored = write(conn, statements, batch)
         outcomes, conflicts = _settle_batch(batch, new_ids, stored)
+        if conflicts:
+            conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
         _keep_conflicts(conn, statements, conflicts, batch.now)
@@ -254,6 +271,43 @@ def _settle_batch(
             outcomes.append(Conflict(reference.id))
             conflicts.append((message, reference.id))
     return outcomes, conflicts
+
+
+def _compare_contents(
+    conn: Connection,
+    statements: Statements,
+    batch: _Batch,
+    outcomes: list[Outcome],
+    conflicts: list[tuple[Message, int]],
+) -> list[tuple[Message, int]]:
+    """The conflicts whose content differs too; the others become duplicates in ``outcomes``.
+
+    Only for a batch with a content fingerprint: its messages' fingerprints
+    cover their bytes, so other bytes (JSON serialised again, say) need not
+    be other content. The events' contents are read in one statement, this
+    batch's new events' included (they are visible in its transaction, or
+    committed). A conflict is kept under its content's fingerprint, so that
+    its copies, however serialised, are one conflict.
+    """
+    content_fingerprint = batch.content_fingerprint
+    if content_fingerprint is None:
+        return conflicts
+    ids = sorted({event_id for _, event_id in conflicts})
+    stored = {
+        event_id: content_fingerprint(body, event_type, content_type)
+        for event_id, body, event_type, content_type in conn.execute(
+            statements.find_contents, {"b_ids": ids}
+        )
+    }
+    at = [index for index, outcome in enumerate(outcomes) if type(outcome) is Conflict]
+    kept = []
+    for index, (message, event_id) in zip(at, conflicts, strict=True):
+        own = content_fingerprint(message.body, message.event_type, message.content_type)
+        if own == stored[event_id]:
+            outcomes[index] = Duplicate(event_id)
+        else:
+            kept.append((message._replace(fingerprint=own), event_id))
+    return kept
 
 
 def _write_core(conn: Connection, statements: Statements, batch: _Batch) -> _Written:
