@@ -57,6 +57,19 @@ def test_a_nul_in_meta_or_a_header_is_replaced_as_jsonb_cannot_hold_it():
     assert message.headers == (("X-Trace", "t\ufffd"),)
 
 
+def test_text_that_spells_a_nul_escape_is_kept_as_it_is():
+    # Six characters, not a NUL: stored unchanged, beside a real NUL replaced.
+    spelled = "a\\u0000b"
+    delivery = _delivery(
+        properties={"message_id": "evt-1", "app_id": spelled},
+        meta={"broker": "rabbitmq", "routing_key": spelled, "queue": "q\x00"},
+    )
+    meta = identify(SOURCE, delivery).meta
+    assert meta["routing_key"] == spelled and meta["properties"]["app_id"] == spelled
+    assert meta["queue"] == "q\ufffd"
+    assert identify(SOURCE, _delivery(meta={"routing_key": spelled})).meta["routing_key"] == spelled
+
+
 def test_the_fingerprint_covers_the_type_and_the_bytes_as_sent():
     # Nothing is parsed for it: a redelivery's bytes are the same.
     first = identify(SOURCE, _delivery(body=b'{"id": "evt-1", "n": 1}'))

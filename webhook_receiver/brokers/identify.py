@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
+import orjson
 from sqlalchemy import String
 
 from .. import events
@@ -210,30 +211,25 @@ def _clean_meta(delivery: Delivery) -> dict[str, Any]:
     meta = dict(delivery.meta)
     if delivery.properties:
         meta["properties"] = dict(delivery.properties)
-    # Serialising only to look for a NUL costs more than the look itself.
-    if not _holds_nul(meta):
-        return meta
-    text = json.dumps(meta, default=str)
-    return cast(dict[str, Any], json.loads(text.replace("\\u0000", "\\ufffd")))
+    # Looked for in orjson's text, at C speed (a NUL is always escaped
+    # there); the walk replaces them only where one may be. What orjson
+    # refuses is walked too.
+    try:
+        if b"\\u0000" not in orjson.dumps(meta):
+            return meta
+    except TypeError:
+        pass
+    return cast(dict[str, Any], _without_nul(meta))
 
 
-def _holds_nul(value: Any) -> bool:
+def _without_nul(value: Any) -> Any:
     if isinstance(value, str):
-        return "\x00" in value
+        return value.replace("\x00", "\ufffd")
     if isinstance(value, dict):
-        return _any_nul(value.keys()) or _any_nul(value.values())
+        return {_without_nul(key): _without_nul(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return _any_nul(value)
-    # Anything else is serialised by str() (json.dumps' default above).
-    return not isinstance(value, int | float | None) and "\x00" in str(value)
-
-
-def _any_nul(items: Iterable[Any]) -> bool:
-    # Strings, nearly all of a meta, are looked at here rather than in a call each.
-    for item in items:
-        if ("\x00" in item) if type(item) is str else _holds_nul(item):
-            return True
-    return False
+        return [_without_nul(item) for item in value]
+    return value
 
 
 def text_of(value: Any) -> str:
