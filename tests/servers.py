@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,3 +130,61 @@ def stop(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
         process.wait(timeout=timeout)
     except ProcessLookupError:
         pass
+
+
+class Relay:
+    """A TCP relay on loopback in front of a server, which can stop passing the server's bytes on.
+
+    After ``hold()`` the client's bytes still reach the server, and what the
+    server answers is dropped: a broker that is alive but says nothing back.
+    ``close()`` ends every relayed connection (the client sees them closed).
+    """
+
+    def __init__(self, port: int) -> None:
+        self._target = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._holding = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self._holding.set()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def __enter__(self) -> Relay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(("127.0.0.1", self._target))
+            self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, from_server: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if not (from_server and self._holding.is_set()):
+                    sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

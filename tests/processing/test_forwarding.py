@@ -6,9 +6,11 @@ import base64
 import hashlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from email.utils import format_datetime
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
@@ -18,7 +20,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 from webhook_receiver.processing import deliveries, forwarding, registry
 
-from ..servers import free_port
+from ..servers import Relay, free_port
 from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
 
 
@@ -510,6 +512,35 @@ def test_amqp_forward_nacked_by_the_broker_is_a_retryable_failure(
     finally:
         with amqp_queue.channel() as ch:
             ch.queue_delete(full)
+
+
+def test_amqp_forward_unconfirmed_within_its_timeout_is_a_retryable_failure(
+    make_app, clock, make_worker, amqp_queue
+):
+    # A broker can hold a confirm back while its connection lives (a quorum
+    # queue without a majority of its replicas): the worker waits no longer
+    # than the forward's timeout_seconds. Here a relay drops what the broker
+    # answers once the connection is open and has published once.
+    broker = urlsplit(amqp_queue.url)
+    with Relay(broker.port or 5672) as relay, ThreadPoolExecutor(1) as pool:
+        url = urlunsplit(broker._replace(netloc=f"guest:guest@127.0.0.1:{relay.port}"))
+        bus = forward("bus", url, exchange="", routing_key=amqp_queue.name, timeout_seconds=1)
+        app = make_app(config_with([bus]), **FAST)
+        worker = make_worker(app, clock)
+        store_event(app, clock, dedup_key="evt-1")
+        # The worker's thread keeps its connection: the second publish uses it.
+        assert pool.submit(drain, app, worker).result(30) == ["delivered"]
+        relay.hold()
+        event_id = store_event(app, clock, dedup_key="evt-2")
+        started = time.monotonic()
+        try:
+            assert pool.submit(drain, app, worker).result(30) == ["retry"]
+        finally:
+            relay.close()  # a worker still waiting sees its connection closed
+        assert time.monotonic() - started < 10
+    row = delivery(app, event_id, "bus")
+    assert row["state"] == "pending"
+    assert "no confirm from the broker within 1 s" in row["last_error"]
 
 
 def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(

@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import hashlib
 import logging
+import socket
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class PublishRefused(PublishError):
     """The message cannot be published as configured (whatever the attempt): not retried."""
 
 
+class _ConfirmTimedOut(Exception):
+    """The broker did not confirm within the forward's timeout (raised inside pika's wait)."""
+
+
 @dataclass(frozen=True)
 class BrokerMessage:
     """What a broker forward publishes for one event."""
@@ -83,11 +88,12 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
 _local = threading.local()
 
 
-def _amqp_channel(forward: ForwardConfig) -> Any:
+def _amqp_channel(forward: ForwardConfig) -> tuple[Any, Any]:
+    """This thread's connection and confirming channel to the forward's broker."""
     channels: dict[str, tuple[Any, Any]] = _local.__dict__.setdefault("amqp", {})
     held = channels.get(forward.url)
     if held is not None and held[0].is_open and held[1].is_open:
-        return held[1]
+        return held
     params = pika.URLParameters(forward.url)
     params.socket_timeout = forward.timeout_seconds
     params.blocked_connection_timeout = forward.timeout_seconds
@@ -96,16 +102,55 @@ def _amqp_channel(forward: ForwardConfig) -> Any:
     channel = connection.channel()
     channel.confirm_delivery()
     channels[forward.url] = (connection, channel)
-    return channel
+    return connection, channel
 
 
-def _drop_amqp(forward: ForwardConfig) -> None:
+def _confirmed_publish(
+    connection: Any, channel: Any, timeout: float, *args: Any, **kwargs: Any
+) -> None:
+    """``basic_publish`` on a confirming channel, its wait for the confirm bounded by ``timeout``.
+
+    pika's blocking channel waits for the confirm with no bound of its own,
+    and a broker can hold one back while its connection stays alive (a
+    quorum queue without a majority of its replicas): the worker would
+    hang. A timer of the connection's I/O loop, which runs inside that
+    wait, ends it by raising; the connection is then dropped (a confirm may
+    still be due on it). pika's blocking ``call_later`` would not do: its
+    callbacks only run in ``process_data_events``.
+    """
+    impl = connection._impl  # private: see above
+    timer = impl._adapter_call_later(timeout, _confirm_timed_out)
+    try:
+        channel.basic_publish(*args, **kwargs)
+    finally:
+        impl._adapter_remove_timeout(timer)
+
+
+def _confirm_timed_out() -> None:
+    raise _ConfirmTimedOut
+
+
+def _drop_amqp(forward: ForwardConfig, *, quiet: bool = False) -> None:
+    """Close this thread's connection to the forward's broker (``quiet``: it stopped answering).
+
+    pika's close waits for the broker's Close-Ok, for ever: when the broker
+    went quiet the socket is shut first, so that the close ends at once.
+    """
     held = _local.__dict__.get("amqp", {}).pop(forward.url, None)
-    if held is not None and held[0].is_open:
-        try:
-            held[0].close()
-        except (pika.exceptions.AMQPError, OSError):
-            pass
+    if held is None or not held[0].is_open:
+        return
+    if quiet:
+        transport = getattr(held[0]._impl, "_transport", None)  # private: see above
+        sock = getattr(transport, "_sock", None)
+        if isinstance(sock, socket.socket):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    try:
+        held[0].close()
+    except (pika.exceptions.AMQPError, OSError):
+        pass
 
 
 # AMQP's short strings (the routing key, message_id, type, ...) hold at most 255 bytes.
@@ -156,11 +201,23 @@ def _publish_amqp(forward: ForwardConfig, message: BrokerMessage) -> None:
     # was idle (missed heartbeats): one fresh connection is tried at once.
     for fresh in (False, True):
         try:
-            channel = _amqp_channel(forward)
-            channel.basic_publish(
-                forward.exchange, routing_key, message.body, properties, mandatory=True
+            connection, channel = _amqp_channel(forward)
+            _confirmed_publish(
+                connection,
+                channel,
+                forward.timeout_seconds,
+                forward.exchange,
+                routing_key,
+                message.body,
+                properties,
+                mandatory=True,
             )
             return
+        except _ConfirmTimedOut as exc:
+            _drop_amqp(forward, quiet=True)
+            raise PublishError(
+                f"no confirm from the broker within {forward.timeout_seconds:g} s"
+            ) from exc
         except pika.exceptions.UnroutableError as exc:
             raise PublishError(
                 f"unroutable: exchange {forward.exchange!r} has no queue for {routing_key!r}"
