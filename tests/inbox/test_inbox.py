@@ -430,8 +430,11 @@ def test_a_batch_and_a_single_receipt_racing_for_one_key_store_one_event(make_ap
 def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fields):
     app = make_app(_config(forwards=True))
     with app.app_context():
-        fast = inbox.receive_many([message(f"fast-{n}", **fields) for n in range(3)])
-        core = inbox.receive_many([message(f"core-{n}", **fields) for n in range(3)], fast=False)
+        # Keys beyond ASCII, with a quote and a backslash: read back through JSON on SQLite.
+        fast = inbox.receive_many([message(f'fast-{n}-ü"\\🙂', **fields) for n in range(3)])
+        core = inbox.receive_many(
+            [message(f'core-{n}-ü"\\🙂', **fields) for n in range(3)], fast=False
+        )
         db.session.expire_all()
         for f, c in zip(fast, core, strict=True):
             fast_row, core_row = _event_row(f.event_id), _event_row(c.event_id)
@@ -451,7 +454,8 @@ def test_a_batch_on_the_fast_path_stores_what_the_core_path_stores(make_app, fie
         # Taken keys are read back the same way on both paths.
         for fast_path in (True, False):
             again = inbox.receive_many(
-                [message("fast-1", **fields), message("core-2", **fields)], fast=fast_path
+                [message('fast-1-ü"\\🙂', **fields), message('core-2-ü"\\🙂', **fields)],
+                fast=fast_path,
             )
             assert again == [inbox.Duplicate(fast[1].event_id), inbox.Duplicate(core[2].event_id)]
 

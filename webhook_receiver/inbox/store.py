@@ -10,7 +10,6 @@ review in ``event_conflicts``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
+import orjson
 from flask import current_app
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
@@ -343,7 +343,7 @@ def _write_sqlite(conn: Connection, statements: Statements, batch: _Batch) -> _W
         if inserted:
             cursor.execute(sql.new_sql, (first_id, last_id))
             (found,) = cursor.fetchone()
-            for event_id, source, key in json.loads(found):
+            for event_id, source, key in orjson.loads(found):
                 new_ids[(source, key)] = event_id
             if len(new_ids) != inserted:
                 # Only at the largest rowid, 2**63 - 1, does SQLite pick
@@ -351,9 +351,9 @@ def _write_sqlite(conn: Connection, statements: Statements, batch: _Batch) -> _W
                 raise _NotSequential(f"{inserted} events inserted, {len(new_ids)} found by id")
         taken = [key for key in batch.first if key not in new_ids]
         if taken:
-            cursor.execute(sql.find_sql, (json.dumps(taken),))
+            cursor.execute(sql.find_sql, (orjson.dumps(taken).decode(),))
             (found,) = cursor.fetchone()
-            for event_id, source, key, print_ in json.loads(found):
+            for event_id, source, key, print_ in orjson.loads(found):
                 stored[(source, key)] = _Stored(event_id, print_)
     _insert_batch_deliveries(conn, statements, batch, new_ids)
     return new_ids, stored
