@@ -136,8 +136,9 @@ class Relay:
     """A TCP relay on loopback in front of a server, which can stop passing the server's bytes on.
 
     After ``hold()`` the client's bytes still reach the server, and what the
-    server answers is dropped: a broker that is alive but says nothing back.
-    ``close()`` ends every relayed connection (the client sees them closed).
+    server answers is dropped: a broker that is alive but says nothing back
+    (``release()`` passes it on again). ``close()`` ends every relayed
+    connection (the client sees them closed).
     """
 
     def __init__(self, port: int) -> None:
@@ -145,14 +146,22 @@ class Relay:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._holding = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
         self._sockets: list[socket.socket] = [self._listener]
         threading.Thread(target=self._accept, daemon=True).start()
 
     def hold(self) -> None:
         self._holding.set()
 
+    def release(self) -> None:
+        self._holding.clear()
+
     def close(self) -> None:
-        for sock in self._sockets:
+        with self._lock:
+            self._closed = True
+            sockets = list(self._sockets)
+        for sock in sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -171,8 +180,18 @@ class Relay:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            server = socket.create_connection(("127.0.0.1", self._target))
-            self._sockets += [client, server]
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:
+                client.close()  # the server is away: the client sees a closed connection
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+                closed = self._closed
+            if closed:
+                client.close()
+                server.close()
+                return
             threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
 
@@ -183,8 +202,10 @@ class Relay:
                     sink.sendall(data)
         except OSError:
             pass
+        # Either side gone: both are closed, and the other direction ends too.
         for sock in (source, sink):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            sock.close()

@@ -283,7 +283,8 @@ def _by_content(body: bytes, event_type: str | None, content_type: str | None) -
     return f"{event_type}:{json.dumps(json.loads(body), sort_keys=True, separators=(',', ':'))}"
 
 
-def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "core"])
+def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app, fast):
     # A broker's fingerprints cover the bytes as sent: bytes that differ are
     # compared again by their content before they are called a conflict,
     # whether the key's event was stored before the batch or in it.
@@ -299,7 +300,7 @@ def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app
             json_message("stored", fingerprint="e" * 64, body=b'{"a": 1, "b": 3}'),
             json_message("new", fingerprint="f" * 64, body=b'{"x": [2, 1]}'),
         ]
-        outcomes = inbox.receive_many(batch, content_fingerprint=_by_content)
+        outcomes = inbox.receive_many(batch, content_fingerprint=_by_content, fast=fast)
         new = outcomes[1]
         assert isinstance(new, inbox.Accepted)
         assert outcomes == [
@@ -325,7 +326,7 @@ def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app
             ]
         )
         copy = json_message("stored", fingerprint="g" * 64, body=b'{"b":3,"a":1}')
-        assert inbox.receive_many([copy], content_fingerprint=_by_content) == [
+        assert inbox.receive_many([copy], content_fingerprint=_by_content, fast=fast) == [
             inbox.Conflict(stored.event_id)
         ]
         db.session.rollback()

@@ -18,7 +18,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
-from webhook_receiver.processing import deliveries, forwarding, registry
+from webhook_receiver.processing import deliveries, forwarding, publishers, registry
 
 from ..servers import Relay, free_port
 from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
@@ -535,12 +535,26 @@ def test_amqp_forward_unconfirmed_within_its_timeout_is_a_retryable_failure(
         started = time.monotonic()
         try:
             assert pool.submit(drain, app, worker).result(30) == ["retry"]
+            assert time.monotonic() - started < 10
+            row = delivery(app, event_id, "bus")
+            assert row["state"] == "pending"
+            assert "no confirm from the broker within 1 s" in row["last_error"]
+            # The next attempt opens a fresh connection, and is confirmed.
+            relay.release()
+            clock.advance(60)
+            assert pool.submit(drain, app, worker).result(30) == ["delivered"]
         finally:
-            relay.close()  # a worker still waiting sees its connection closed
-        assert time.monotonic() - started < 10
-    row = delivery(app, event_id, "bus")
-    assert row["state"] == "pending"
-    assert "no confirm from the broker within 1 s" in row["last_error"]
+            relay.release()
+            try:
+                # As a stopping worker does, in the thread that holds them.
+                pool.submit(publishers.close_thread_connections).result(10)
+            finally:
+                relay.close()  # a worker still waiting sees its connection closed
+    assert [props.message_id for props, _ in amqp_queue.take_all(amqp_queue.name)] == [
+        "bus:shop:evt-1",
+        "bus:shop:evt-2",
+        "bus:shop:evt-2",
+    ]
 
 
 def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(

@@ -15,8 +15,10 @@ class Message(NamedTuple):
     """One received message, verified and identified by its intake, ready to store.
 
     ``dedup_key`` is the stable key of the logical message (never a value
-    that changes per attempt); ``fingerprint`` covers its content, so the
-    same key with other content is told apart as a conflict. ``headers``
+    that changes per attempt); ``fingerprint`` covers its content (canonical
+    JSON for webhooks and the API; a broker message's type and bytes as sent,
+    compared again by content in ``receive_many``), so the same key with
+    other content is told apart as a conflict. ``headers``
     are already redacted. ``received_at`` None: the inbox stamps it.
 
     A NamedTuple rather than a frozen dataclass: as immutable, and built

@@ -121,7 +121,7 @@ def receive_many(
     New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
     RETURNING`` and their deliveries one more INSERT; on PostgreSQL both,
     with the read of the keys already taken, are one statement, which is
-    then the whole transaction (conflicts are kept in a second one). A key
+    then the whole transaction (conflicts are compared and kept in a second one). A key
     repeated inside the batch is settled against its first occurrence.
     Raises the database's error when it is away or locked: nothing was
     committed, or on PostgreSQL only the new events, when keeping a
@@ -303,7 +303,9 @@ def _compare_contents(
     kept = []
     for index, (message, event_id) in zip(at, conflicts, strict=True):
         own = content_fingerprint(message.body, message.event_type, message.content_type)
-        if own == stored[event_id]:
+        # An event purged since the write is not found: a conflict still, whose
+        # record then fails, and the batch is stored again one message at a time.
+        if own == stored.get(event_id):
             outcomes[index] = Duplicate(event_id)
         else:
             kept.append((message._replace(fingerprint=own), event_id))

@@ -96,6 +96,8 @@ def _amqp_channel(forward: ForwardConfig) -> tuple[Any, Any]:
         return held
     params = pika.URLParameters(forward.url)
     params.socket_timeout = forward.timeout_seconds
+    # Connecting (TCP, TLS, the AMQP handshake) within the same bound: 15 s by default.
+    params.stack_timeout = forward.timeout_seconds
     params.blocked_connection_timeout = forward.timeout_seconds
     params.client_properties = {"connection_name": f"webhook-receiver forward {forward.name}"}
     connection = pika.BlockingConnection(params)
@@ -130,15 +132,22 @@ def _confirm_timed_out() -> None:
     raise _ConfirmTimedOut
 
 
-def _drop_amqp(forward: ForwardConfig, *, quiet: bool = False) -> None:
+def close_thread_connections() -> None:
+    """Close this thread's AMQP connections (a worker stopping: the broker sees a clean close)."""
+    for url in list(_local.__dict__.get("amqp", {})):
+        _drop_amqp(url)
+
+
+def _drop_amqp(url: str, *, quiet: bool = False) -> None:
     """Close this thread's connection to the forward's broker (``quiet``: it stopped answering).
 
     pika's close waits for the broker's Close-Ok, for ever: when the broker
     went quiet the socket is shut first, so that the close ends at once.
     """
-    held = _local.__dict__.get("amqp", {}).pop(forward.url, None)
+    held = _local.__dict__.get("amqp", {}).pop(url, None)
     if held is None or not held[0].is_open:
         return
+    sock = None
     if quiet:
         transport = getattr(held[0]._impl, "_transport", None)  # private: see above
         sock = getattr(transport, "_sock", None)
@@ -151,6 +160,8 @@ def _drop_amqp(forward: ForwardConfig, *, quiet: bool = False) -> None:
         held[0].close()
     except (pika.exceptions.AMQPError, OSError):
         pass
+    if isinstance(sock, socket.socket):
+        sock.close()  # pika's close on a lost stream leaves it open
 
 
 # AMQP's short strings (the routing key, message_id, type, ...) hold at most 255 bytes.
@@ -214,7 +225,7 @@ def _publish_amqp(forward: ForwardConfig, message: BrokerMessage) -> None:
             )
             return
         except _ConfirmTimedOut as exc:
-            _drop_amqp(forward, quiet=True)
+            _drop_amqp(forward.url, quiet=True)
             raise PublishError(
                 f"no confirm from the broker within {forward.timeout_seconds:g} s"
             ) from exc
@@ -225,10 +236,10 @@ def _publish_amqp(forward: ForwardConfig, message: BrokerMessage) -> None:
         except pika.exceptions.NackError as exc:
             raise PublishError("the broker nacked the message") from exc
         except pika.exceptions.ChannelClosedByBroker as exc:
-            _drop_amqp(forward)
+            _drop_amqp(forward.url)
             raise PublishError(f"channel closed by the broker: {exc.reply_text}") from exc
         except (pika.exceptions.AMQPError, OSError) as exc:
-            _drop_amqp(forward)
+            _drop_amqp(forward.url)
             if fresh:
                 raise PublishError(
                     f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}"

@@ -38,7 +38,7 @@ from ..config import ConfigError
 from ..database import is_unavailable, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
-from . import backoff, deliveries, forwarding, ordering, registry
+from . import backoff, deliveries, forwarding, ordering, publishers, registry
 from .deliveries import Claim
 from .handlers import PermanentFailure
 from .outcomes import DEAD, DELIVERED, LEASE_LOST, RETRY, SKIPPED, AttemptOutcome
@@ -151,6 +151,7 @@ class Worker:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.http.close()
+            publishers.close_thread_connections()
         return done
 
     def _install_signals(self) -> dict[int, Any]:
