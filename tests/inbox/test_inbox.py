@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sqlite3
 import threading
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from sqlalchemy import func, insert, select, text
 from sqlalchemy.exc import DBAPIError
 
-from webhook_receiver import inbox
+from webhook_receiver import database, inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.inbox import statements, store
 from webhook_receiver.inbox.driver import DriverStatement, FastPathError
@@ -337,6 +338,40 @@ def test_other_bytes_with_a_content_fingerprint_are_compared_by_content(make_app
         )
         assert seen == 2
         assert _count(Event) == 2
+
+
+def test_a_batch_after_a_batch_of_redeliveries_waits_for_no_writer(make_app, monkeypatch):
+    # After a batch whose keys were all taken, the next one's keys are read
+    # first, outside any transaction: taken too, it writes nothing and needs
+    # no turn at the write lock another process holds. One with a new key
+    # needs the lock, and goes to its transaction.
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    # The redeliveries' ledger writes later, as it does by default.
+    app = make_app(_config(forwards=False), DUPLICATE_FLUSH_SECONDS=3600)
+    with app.app_context():
+        if not _sqlite():
+            pytest.skip("PostgreSQL has no write lock: a batch of redeliveries waits for no writer")
+        batch = [message(f"k-{n}") for n in range(5)]
+        stored = inbox.receive_many(batch)
+        again = [inbox.Duplicate(outcome.event_id) for outcome in stored]
+        assert inbox.receive_many(batch) == again
+        holder = sqlite3.connect(db.engine.url.database, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            assert inbox.receive_many(batch) == again
+            with pytest.raises(DBAPIError, match="locked"):
+                inbox.receive_many([*batch, message("k-new")])
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        *duplicates, new = inbox.receive_many([*batch, message("k-new")])
+        assert duplicates == again and isinstance(new, inbox.Accepted)
+        # A conflict found by the read is compared and kept as ever.
+        changed = message("k-0", fingerprint="c" * 64, body=b"changed")
+        assert inbox.receive_many(batch) == again
+        assert inbox.receive_many([changed]) == [inbox.Conflict(stored[0].event_id)]
+        assert _count(EventConflict) == 1
+        assert _count(Event) == 6
 
 
 def test_a_batch_whose_conflict_could_not_be_kept_settles_all_of_it_when_sent_again(make_app):

@@ -197,9 +197,17 @@ _Written = tuple[dict[tuple[str, str], int], dict[tuple[str, str], _Stored]]
 _Writer = Callable[[Connection, Statements, _Batch], _Written]
 
 
+# Per engine, the sources whose last batch found every key taken: a run of
+# redeliveries (a consumer's unacknowledged batches after a crash, a
+# producer's retries). On SQLite their next batch's keys are read first.
+_ALL_TAKEN: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
 def _store_batch(
     engine: Engine, statements: Statements, batch: _Batch, all_or_nothing: bool, fast: bool
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    if fast and statements.dialect_name == "sqlite" and not all_or_nothing:
+        return _store_batch_sqlite(engine, statements, batch)
     postgresql = fast and statements.dialect_name == "postgresql"
     if postgresql and not all_or_nothing:
         # The new events and their deliveries are one statement, its own
@@ -220,12 +228,39 @@ def _store_batch(
     write: _Writer = (
         _write_postgresql_in_transaction if postgresql else _write_sqlite if fast else _write_core
     )
-    try:
-        return _store_in_transaction(engine, statements, batch, all_or_nothing, write)
-    except _NotSequential:
-        # Rolled back: SQLite's rowids reached their largest (2**63 - 1) and
-        # it picks new ones at random; Core's RETURNING reads them instead.
-        return _store_in_transaction(engine, statements, batch, all_or_nothing, _write_core)
+    return _store_in_transaction(engine, statements, batch, all_or_nothing, write)
+
+
+def _store_batch_sqlite(
+    engine: Engine, statements: Statements, batch: _Batch
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    """SQLite: the batch's transaction; after a batch of redeliveries only, a read first.
+
+    A batch whose keys are all taken writes no event: read outside any
+    transaction, it needs no turn at the database's write lock (a webhook,
+    the redeliveries' ledger or another consumer may hold it), nor the rows'
+    parameters and INSERT it would skip. Only after such a batch, so that
+    new events never pay for the read; a key found free sends the batch to
+    its transaction all the same.
+    """
+    source = batch.messages[0].source
+    runs = _ALL_TAKEN.setdefault(engine, set())
+    if source in runs:
+        with driver_cursor(engine) as cursor:
+            stored = _find_taken_sqlite(cursor, statements, list(batch.first))
+        if len(stored) == len(batch.first):
+            outcomes, conflicts = _settle_batch(batch, {}, stored)
+            if conflicts:
+                with transaction(engine) as conn:
+                    conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
+                    _keep_conflicts(conn, statements, conflicts, batch.now)
+            return outcomes, {}, conflicts
+    settled = _store_in_transaction(engine, statements, batch, False, _write_sqlite)
+    if settled[1]:
+        runs.discard(source)
+    else:
+        runs.add(source)
+    return settled
 
 
 class _NotSequential(Exception):
@@ -233,6 +268,17 @@ class _NotSequential(Exception):
 
 
 def _store_in_transaction(
+    engine: Engine, statements: Statements, batch: _Batch, all_or_nothing: bool, write: _Writer
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    try:
+        return _one_transaction(engine, statements, batch, all_or_nothing, write)
+    except _NotSequential:
+        # Rolled back: SQLite's rowids reached their largest (2**63 - 1) and
+        # it picks new ones at random; Core's RETURNING reads them instead.
+        return _one_transaction(engine, statements, batch, all_or_nothing, _write_core)
+
+
+def _one_transaction(
     engine: Engine, statements: Statements, batch: _Batch, all_or_nothing: bool, write: _Writer
 ) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
     with transaction(engine) as conn:
@@ -353,12 +399,21 @@ def _write_sqlite(conn: Connection, statements: Statements, batch: _Batch) -> _W
                 raise _NotSequential(f"{inserted} events inserted, {len(new_ids)} found by id")
         taken = [key for key in batch.first if key not in new_ids]
         if taken:
-            cursor.execute(sql.find_sql, (orjson.dumps(taken).decode(),))
-            (found,) = cursor.fetchone()
-            for event_id, source, key, print_ in orjson.loads(found):
-                stored[(source, key)] = _Stored(event_id, print_)
+            stored = _find_taken_sqlite(cursor, statements, taken)
     _insert_batch_deliveries(conn, statements, batch, new_ids)
     return new_ids, stored
+
+
+def _find_taken_sqlite(
+    cursor: Any, statements: Statements, keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], _Stored]:
+    """The events under those of ``keys`` that are taken, in one read (SqliteBatch.find_sql)."""
+    cursor.execute(statements.sqlite_batch.find_sql, (orjson.dumps(keys).decode(),))
+    (found,) = cursor.fetchone()
+    return {
+        (source, key): _Stored(event_id, print_)
+        for event_id, source, key, print_ in orjson.loads(found)
+    }
 
 
 def _insert_batch_deliveries(
