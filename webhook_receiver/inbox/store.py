@@ -217,13 +217,7 @@ def _store_batch(
         with driver_cursor(engine) as cursor:
             new_ids, stored = _write_postgresql(cursor, statements, batch)
         outcomes, conflicts = _settle_batch(batch, new_ids, stored)
-        if conflicts:
-            # Kept for review once the events are committed. Should this
-            # fail, receive_many raises before any message is settled, and
-            # the redelivery finds the same conflict again.
-            with transaction(engine) as conn:
-                conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
-                _keep_conflicts(conn, statements, conflicts, batch.now)
+        conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
         return outcomes, new_ids, conflicts
     write: _Writer = (
         _write_postgresql_in_transaction if postgresql else _write_sqlite if fast else _write_core
@@ -250,10 +244,7 @@ def _store_batch_sqlite(
             stored = _find_taken_sqlite(cursor, statements, list(batch.first))
         if len(stored) == len(batch.first):
             outcomes, conflicts = _settle_batch(batch, {}, stored)
-            if conflicts:
-                with transaction(engine) as conn:
-                    conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
-                    _keep_conflicts(conn, statements, conflicts, batch.now)
+            conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
             return outcomes, {}, conflicts
     settled = _store_in_transaction(engine, statements, batch, False, _write_sqlite)
     if settled[1]:
@@ -261,6 +252,25 @@ def _store_batch_sqlite(
     else:
         runs.add(source)
     return settled
+
+
+def _keep_conflicts_after(
+    engine: Engine,
+    statements: Statements,
+    batch: _Batch,
+    outcomes: list[Outcome],
+    conflicts: list[tuple[Message, int]],
+) -> list[tuple[Message, int]]:
+    """Compare and keep a batch's conflicts in a transaction of their own, after its events'.
+
+    Should this fail, receive_many raises before any message is settled,
+    and the redelivery finds the same conflict again.
+    """
+    if conflicts:
+        with transaction(engine) as conn:
+            conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
+            _keep_conflicts(conn, statements, conflicts, batch.now)
+    return conflicts
 
 
 class _NotSequential(Exception):
