@@ -185,11 +185,11 @@ def _nats(fn: Callable[[Any], Any]) -> Any:
 # -- one run ------------------------------------------------------------------------
 
 
-def _bare_prepare(source: Any, deliveries: list[Any]) -> Any:
+def _bare_prepare(source: Any, raws: list[Any], to_delivery: Any) -> Any:
     from webhook_receiver.brokers.batch import ACK, Prepared, Verdict
 
-    # Nothing identified: every message is already an ack.
-    return Prepared([], [Verdict(ACK)] * len(deliveries))
+    # Read as the consumer reads them, nothing identified: every message is an ack.
+    return Prepared([], [Verdict(ACK) for _ in map(to_delivery, raws)])
 
 
 def _bare_store(source: Any, prepared: Any) -> list[Any]:

@@ -223,8 +223,8 @@ def _add_durable(stream, **config):
     ],
     ids=["other-filter", "acked-on-delivery", "push"],
 )
-def test_an_existing_durable_that_breaks_the_contract_stops_consume(
-    make_app, jetstream, durable, expected
+def test_an_existing_durable_that_breaks_the_contract_is_refused_and_waited_on(
+    make_app, jetstream, durable, expected, caplog
 ):
     from nats.js.api import AckPolicy
 
@@ -233,10 +233,12 @@ def test_an_existing_durable_that_breaks_the_contract_stops_consume(
         config["ack_policy"] = AckPolicy.NONE
     _add_durable(jetstream, **config)
     app = _app(make_app, jetstream, filter_subject=f"{jetstream.prefix}.paid")
-    result = app.test_cli_runner().invoke(args=["consume"])
-    assert result.exit_code == 1
-    assert expected.replace("PREFIX", jetstream.prefix) in result.output
-    assert "nats consumer rm" in result.output
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: "stream unavailable" in caplog.text, 10)
+    assert expected.replace("PREFIX", jetstream.prefix) in caplog.text
+    assert "nats consumer rm" in caplog.text
+    assert count_events(app) == 0  # nothing consumed through a durable that breaks the contract
 
 
 def test_an_existing_durable_with_the_configured_filter_is_used(make_app, jetstream):

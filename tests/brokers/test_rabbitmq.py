@@ -212,14 +212,24 @@ def test_key_from_a_header_or_the_body(make_app, amqp_queue, spec):
     assert amqp_queue.ready() == 0
 
 
-def test_missing_queue_stops_consume_with_a_clear_message(make_app, rabbit_url):
-    app = make_app(
-        {"sources": {SOURCE: {"provider": "rabbitmq", "url": rabbit_url, "queue": "wr-absent-q"}}}
-    )
-    result = app.test_cli_runner().invoke(args=["consume"])
-    assert result.exit_code == 1
-    assert "queue 'wr-absent-q' does not exist" in result.output
-    assert "guest:guest" not in result.output
+def test_missing_queue_waits_with_one_clear_line_then_consumes(make_app, amqp_queue, caplog):
+    # The queue is deleted first: the source waits for it, saying so once,
+    # and consumes once it is declared again.
+    with amqp_queue.channel() as ch:
+        ch.queue_delete(amqp_queue.name)
+    app = _app(make_app, amqp_queue)
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: "does not exist" in caplog.text, 10)
+        with amqp_queue.channel() as ch:
+            ch.queue_declare(amqp_queue.name, arguments={"x-dead-letter-exchange": amqp_queue.dlx})
+        amqp_queue.publish([_message(1)])
+        assert wait_until(lambda: count_events(app) == 1, 60)
+    starts = [r for r in caplog.records if "queue unavailable" in r.getMessage()]
+    assert len(starts) == 1, caplog.text
+    assert f"queue '{amqp_queue.name}' does not exist" in starts[0].getMessage()
+    assert f"brokers declare {SOURCE}" in starts[0].getMessage()
+    assert "guest:guest" not in caplog.text
+    assert "queue back after" in caplog.text
 
 
 def test_broker_source_has_no_webhook_endpoint(make_app, amqp_queue):
@@ -320,7 +330,7 @@ def test_a_pool_with_no_connection_to_lend_is_an_outage_not_a_crash(make_app, am
     body, props = _message(1)
     delivery = Delivery(body, "application/json", properties={"message_id": "msg-1"})
     with app.app_context():
-        prepared = batch.prepare(source, [delivery])
+        prepared = batch.prepare(source, [delivery], lambda raw: raw)
         with db.engine.connect():  # the pool's one connection, held
             with pytest.raises(batch.DatabaseUnavailable):
                 batch.store(source, prepared)

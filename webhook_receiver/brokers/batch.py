@@ -8,6 +8,12 @@ message and a same-content duplicate are acknowledged; a conflict (kept
 for review by the inbox) and a message that cannot be identified are
 dead-lettered. When the database is away or locked nothing is committed
 and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
+
+No message stops a consumer: whatever fails while one message is turned
+into a Delivery, identified or stored (but the database being away) makes
+that message a dead letter with its reason, and the rest of its batch goes
+on. Redeliveries' counts are written before :func:`store` returns, so a
+consumer killed outright loses at most the batch it had in hand.
 """
 
 from __future__ import annotations
@@ -16,18 +22,18 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from flask import Flask
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from .. import inbox
+from .. import inbox, rejections
 from ..config import BrokerSourceConfig
 from ..database import is_unavailable
-from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
+from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome, duplicates
 from ..observability import metrics
-from .identify import Delivery, Unidentified, content_fingerprint, identify
+from .identify import CONSUMER_ERROR, Delivery, Unidentified, content_fingerprint, identify
 from .outage import Outage
 
 log = logging.getLogger(__name__)
@@ -73,20 +79,29 @@ class Prepared(NamedTuple):
     verdicts: list[Verdict | None]
 
 
-def prepare(source: BrokerSourceConfig, deliveries: Sequence[Delivery]) -> Prepared:
-    """Identify each delivery of a batch: CPU only, no database.
+Raw = TypeVar("Raw")
+
+
+def prepare(
+    source: BrokerSourceConfig, raws: Sequence[Raw], to_delivery: Callable[[Raw], Delivery]
+) -> Prepared:
+    """Turn each raw message of a batch into a Delivery and identify it: CPU only, no database.
 
     A consumer prepares a batch while the one before it is being stored,
-    so that the two overlap.
+    so that the two overlap. A message that cannot be read or identified,
+    for whatever reason, gets its dead-letter verdict here; the others go on.
     """
     verdicts: list[Verdict | None] = []
     messages: list[Message] = []
-    for delivery in deliveries:
+    for raw in raws:
         try:
-            messages.append(identify(source, delivery))
+            messages.append(identify(source, to_delivery(raw)))
             verdicts.append(None)
         except Unidentified as exc:
             verdicts.append(Verdict(DEAD_LETTER, exc.reason, exc.detail))
+        except Exception as exc:  # a bug, but one message's: never the consumer's end
+            log.exception("source %s: a message could not be identified", source.name)
+            verdicts.append(Verdict(DEAD_LETTER, CONSUMER_ERROR, _name(exc)))
     return Prepared(messages, verdicts)
 
 
@@ -101,14 +116,22 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
     outcomes: Sequence[Outcome | Verdict]
     try:
         outcomes = inbox.receive_many(messages, content_fingerprint=compare)
-    except (DBAPIError, PoolTimeoutError) as exc:
-        if is_unavailable(exc):
-            raise DatabaseUnavailable(_cause(exc)) from exc
-        # One message the database refuses must not hold back the batch on
-        # every redelivery: store them one by one to find it.
-        log.warning("source %s: a batch failed to store (%s); storing one by one", source.name, exc)
+    except Exception as exc:
+        _raise_if_unavailable(exc)
+        # One message the database (or a bug) refuses must not hold back the
+        # batch on every redelivery: store them one by one to find it.
+        log.warning(
+            "source %s: a batch failed to store (%s); storing one by one",
+            source.name,
+            _name(exc),
+            exc_info=not isinstance(exc, DBAPIError),
+        )
         outcomes = [_one(message, compare) for message in messages]
     _count(source.name, outcomes)
+    if any(type(outcome) is Duplicate for outcome in outcomes):
+        # Before the acks: a consumer killed outright loses at most this
+        # batch's counts (the ledger would otherwise hold them a while).
+        duplicates.flush()
     if len(outcomes) == len(verdicts):  # every delivery was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
     stored = iter(outcomes)
@@ -118,15 +141,22 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
 def _one(message: Message, compare: inbox.ContentFingerprint) -> Outcome | Verdict:
     try:
         return inbox.receive_many([message], content_fingerprint=compare)[0]
-    except (DBAPIError, PoolTimeoutError) as exc:
-        if is_unavailable(exc):
-            raise DatabaseUnavailable(_cause(exc)) from exc
-        return Verdict(DEAD_LETTER, UNSTORABLE, type(getattr(exc, "orig", None) or exc).__name__)
+    except Exception as exc:
+        _raise_if_unavailable(exc)
+        if isinstance(exc, DBAPIError):
+            return Verdict(DEAD_LETTER, UNSTORABLE, type(exc.orig or exc).__name__)
+        log.exception("source %s: a message could not be stored", message.source)
+        return Verdict(DEAD_LETTER, CONSUMER_ERROR, _name(exc))
 
 
-def _cause(exc: BaseException) -> str:
-    # A driver error says more than SQLAlchemy's wrapper; a pool timeout has no driver error.
-    return str(getattr(exc, "orig", None) or exc)
+def _raise_if_unavailable(exc: Exception) -> None:
+    if isinstance(exc, DBAPIError | PoolTimeoutError) and is_unavailable(exc):
+        # A driver error says more than SQLAlchemy's wrapper; a pool timeout has none.
+        raise DatabaseUnavailable(str(getattr(exc, "orig", None) or exc)) from exc
+
+
+def _name(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def _verdict(outcome: Outcome | Verdict) -> Verdict:
@@ -151,10 +181,15 @@ class Consumer:
         self.app = app
         self.source = source
         self.stop = stop
-        self.outage = Outage(source.name)
+        # Each cause of outage on its own: the end of one never times another.
+        self.broker = Outage(source.name, "broker")
+        self.database = Outage(source.name, "database")
+        self.not_ready = Outage(source.name, "stream" if source.provider == "nats" else "queue")
         # The unit of work, in two steps; the benchmark's bare loop puts
         # steps that identify and store nothing.
-        self.prepare: Callable[[BrokerSourceConfig, list[Delivery]], Prepared] = prepare
+        self.prepare: Callable[
+            [BrokerSourceConfig, Sequence[Any], Callable[[Any], Delivery]], Prepared
+        ] = prepare
         self.store: Callable[[BrokerSourceConfig, Prepared], list[Verdict]] = store
         # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
         self.settled = 0
@@ -170,8 +205,11 @@ class Consumer:
         source = self.source.name
         with self.app.app_context():
             for verdict in verdicts:
-                metrics.broker_dead_letter(source, verdict.reason or "unknown")
-                if verdict.reason != CONFLICT:  # the inbox logged the conflict already
+                reason = verdict.reason or "unknown"
+                metrics.broker_dead_letter(source, reason)
+                if verdict.reason != CONFLICT:  # the inbox kept and logged the conflict already
+                    # Listed beside the webhooks' refusals for operators to see.
+                    rejections.record(source, reason, verdict.detail or reason, None)
                     log.warning(
                         "source %s: message dead-lettered: %s: %s",
                         source,

@@ -36,7 +36,5 @@ def consume_command(sources: tuple[str, ...], list_only: bool) -> None:
         chosen = runner.sources_to_consume(app.config["FILE_CONFIG"], sources)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    error = runner.run(app, chosen, threading.Event())
-    if error is not None:
-        raise click.ClickException(error)
+    runner.run(app, chosen, threading.Event())
     click.echo(f"consume stopped ({', '.join(s.name for s in chosen)})")

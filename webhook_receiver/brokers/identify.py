@@ -15,8 +15,8 @@ webhooks) before they are called a conflict: see ``inbox.receive_many``.
 
 from __future__ import annotations
 
+import base64
 import functools
-import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, cast
@@ -26,7 +26,13 @@ from sqlalchemy import String
 
 from .. import events
 from ..config import BrokerSourceConfig, parse_broker_spec
-from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
+from ..fingerprint import (
+    JSONError,
+    canonical_json,
+    fingerprint,
+    is_json_type,
+    loads,
+)
 from ..inbox import ContentFingerprint, Message
 from ..models import Event
 from ..processing.ordering import resolve_pointer
@@ -34,6 +40,18 @@ from ..processing.ordering import resolve_pointer
 # Reasons a message is dead-lettered without being stored.
 MISSING_KEY = "dedup-key-missing"
 PAYLOAD_INVALID = "payload-invalid"
+# Its broker's framing holds what no text field can carry exactly: a name,
+# subject, routing key or id that is not UTF-8, a NUL, tables nested too deep,
+# or properties the client library could not decode at all.
+MALFORMED = "message-malformed"
+# Anything else that failed while one message was identified or stored: a
+# bug, logged with its traceback, that must not stop the consumer.
+CONSUMER_ERROR = "consumer-error"
+# How deep an AMQP table may nest; deeper tables are malformed (their text
+# would be refused by the JSON the event is stored as).
+MAX_TABLE_DEPTH = 64
+# How a binary value (not UTF-8 text) is kept among the stored headers: exactly.
+BINARY_PREFIX = "base64:"
 
 
 class Unidentified(Exception):
@@ -56,10 +74,11 @@ class Delivery(NamedTuple):
 
     body: bytes
     content_type: str | None = None
-    # The AMQP headers table or the NATS headers, values as text.
-    headers: Mapping[str, str] = _NONE
-    # The AMQP basic properties the producer set (none for NATS).
-    properties: Mapping[str, str] = _NONE
+    # The AMQP headers table or the NATS headers: values as text, or bytes
+    # where they are not UTF-8 (kept exactly, never read as a key or type).
+    headers: Mapping[str, str | bytes] = _NONE
+    # The AMQP basic properties the producer set (none for NATS), the same way.
+    properties: Mapping[str, str | bytes] = _NONE
     subject: str | None = None
     # Where it came from: exchange and routing key, or subject and stream.
     meta: Mapping[str, Any] = _NONE
@@ -157,12 +176,24 @@ def _read(spec: _Spec, delivery: Delivery, parsed: Any) -> str | None:
         value = resolve_pointer(parsed, arg) if arg else parsed
     if value is None or isinstance(value, dict | list):
         return None
+    if isinstance(value, bytes):
+        # Decoded with replacement characters, two different ids would be one key.
+        raise Unidentified(MALFORMED, f"{kind}:{arg} is not UTF-8 text")
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float | int):
+        return _number_text(value)
     return str(value)
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
+def _number_text(value: float) -> str:
+    # TEMPORARY until fingerprint's RFC 8785 number lands.
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
+
+
+def _header(headers: Mapping[str, str | bytes], name: str) -> str | bytes | None:
     if not headers:
         return None
     if name in headers:
@@ -191,26 +222,41 @@ def _correlation_id(delivery: Delivery) -> str | None:
         or _header(delivery.headers, "X-Request-Id")
         or _header(delivery.headers, "Correlation-Id")
     )
-    if not value or "\x00" in value:
+    if not value or isinstance(value, bytes) or "\x00" in value:
         return None
     return value[:200]
 
 
-def _headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def _headers(headers: Mapping[str, str | bytes]) -> tuple[tuple[str, str], ...]:
     if not headers:
         return ()
-    return tuple((name, _clean(value)) for name, value in events.redact_headers(headers.items()))
+    for name in headers:
+        if "\x00" in name:
+            # PostgreSQL's jsonb holds no NUL, and a name is an identifier:
+            # not replaced, refused.
+            raise Unidentified(MALFORMED, "a header name holds a NUL character")
+    return events.redact_headers((name, _clean(value)) for name, value in headers.items())
 
 
-def _clean(value: str) -> str:
+def _clean(value: str | bytes) -> str:
+    if isinstance(value, bytes):
+        return binary_text(value)
     # Stored as JSON: PostgreSQL's jsonb holds no NUL character.
     return value.replace("\x00", "\ufffd")
+
+
+def binary_text(value: bytes) -> str:
+    """A value that is not UTF-8 text, kept exactly as stored text (see docs/brokers.md)."""
+    return BINARY_PREFIX + base64.b64encode(value).decode("ascii")
 
 
 def _clean_meta(delivery: Delivery) -> dict[str, Any]:
     meta = dict(delivery.meta)
     if delivery.properties:
-        meta["properties"] = dict(delivery.properties)
+        meta["properties"] = {
+            name: binary_text(value) if isinstance(value, bytes) else value
+            for name, value in delivery.properties.items()
+        }
     # Looked for in orjson's text, at C speed (a NUL is always escaped
     # there); the walk replaces them only where one may be. What orjson
     # refuses is walked too.
@@ -232,12 +278,17 @@ def _without_nul(value: Any) -> Any:
     return value
 
 
-def text_of(value: Any) -> str:
-    """A header or property value as text (AMQP tables carry bytes, numbers, nested tables)."""
-    if isinstance(value, str):
-        return value
+def exact_text(value: str | bytes, what: str) -> str:
+    """An identifier the broker handed over as bytes, decoded exactly, or Unidentified.
+
+    Never decoded with replacement characters: two different names or ids
+    would become one. A NUL is refused too (PostgreSQL's text holds none).
+    """
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, dict | list):
-        return json.dumps(value, default=text_of, sort_keys=True)
-    return str(value)
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Unidentified(MALFORMED, f"{what} is not UTF-8 text") from exc
+    if "\x00" in value:
+        raise Unidentified(MALFORMED, f"{what} holds a NUL character")
+    return value

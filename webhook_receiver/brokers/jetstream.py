@@ -10,6 +10,13 @@ conflict or a message that cannot be identified, a copy to
 message of the batch is ``nak``-ed with a delay and the consumer backs off.
 nats-py reconnects by itself; what was not acknowledged is redelivered
 after the consumer's ack wait and recognised as duplicates.
+
+No message stops the consumer: one whose subject or headers are not exact
+text (not UTF-8, a NUL, a header name nats-py would drop) would kill
+nats-py's read loop or reach the inbox changed, so :class:`_Client` hands
+it over with a stand-in subject, no headers and the reason, to be
+dead-lettered; whatever else the library fails on while reading one
+message terminates that message by its reply subject.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from . import batch
-from .identify import Delivery
-from .outage import FatalConsumerError
+from .identify import MALFORMED, Delivery, Unidentified
+from .outage import SourceNotReady
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,76 @@ MSG_ID = "Nats-Msg-Id"
 # JetStream's publish-time headers (ADR-31 and the stream's own controls).
 _CONTROL_HEADER_PREFIXES = ("Nats-Expected-", "Nats-Rollup", "Nats-TTL", "Nats-Schedule")
 _ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
+# What nats-py refuses to publish whatever the broker's state: a dead-letter
+# copy refused so is never published, and its message is terminated alone.
+_REFUSED = (nats.errors.BadHeaderError, nats.errors.BadSubjectError, nats.errors.MaxPayloadError)
+# Messages read malformed but not yet fetched; past this, the oldest are forgotten
+# (their messages are terminated, or come back, as any other).
+_MAX_MALFORMED = 10_000
+
+
+class _Client(nats.NATS):
+    """nats-py's client, reading a message it cannot decode without dying.
+
+    nats-py decodes a message's subject strictly: bytes that are not UTF-8
+    raise in its read loop, which ends, and the source stops without a
+    word. Header values that are not UTF-8 it decodes with replacement
+    characters, and names that are not ASCII it drops: two different ids
+    would become one. Such a message is checked here first, on the raw
+    bytes, and handed on with a printable stand-in subject, no headers and
+    the reason in ``malformed`` (by reply subject), for the consumer to
+    dead-letter.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.malformed: dict[str, str] = {}
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
+        reason = _malformed(subject, headers)
+        if reason is not None:
+            if len(self.malformed) >= _MAX_MALFORMED:
+                self.malformed.pop(next(iter(self.malformed)))
+            self.malformed[reply.decode("ascii", "backslashreplace")] = reason
+            subject = subject.decode("utf-8", "backslashreplace").encode()
+            headers = b""
+        try:
+            await super()._process_msg(sid, subject, reply, data, headers)
+        except Exception:
+            # Anything else the library cannot read: that message is
+            # terminated by its reply subject, and the read loop lives on.
+            log.exception("nats: a message could not be read; terminating it")
+            if reply:
+                await self.publish(reply.decode("ascii", "backslashreplace"), b"+TERM")
+
+
+def _malformed(subject: bytes, headers: bytes) -> str | None:
+    """Why a message's subject or headers cannot reach the inbox exactly, if they cannot."""
+    if not subject.isascii():
+        try:
+            subject.decode("utf-8")
+        except UnicodeDecodeError:
+            return "the subject is not UTF-8 text"
+    if not headers:
+        return None
+    if b"\x00" in headers:
+        return "a header holds a NUL character"
+    if headers.isascii():
+        return None
+    try:
+        text = headers.decode("utf-8")
+    except UnicodeDecodeError:
+        return "a header is not UTF-8 text"
+    for line in text.split("\r\n")[1:]:
+        if not line.partition(":")[0].isascii():
+            return "a header name is not ASCII"
+    return None
+
+
+# A fetched message and why it is malformed, if it is.
+_Raw = tuple[Any, str | None]
 
 
 class JetStreamConsumer(batch.Consumer):
@@ -64,10 +141,10 @@ class JetStreamConsumer(batch.Consumer):
         while not self.stop.is_set():
             try:
                 await self._session()
-            except FatalConsumerError:
-                raise
+            except SourceNotReady as exc:
+                await self._pause(self.not_ready.failed(exc))
             except _ERRORS as exc:
-                await self._pause(self.outage.failed("broker", f"{type(exc).__name__}: {exc}"))
+                await self._pause(self.broker.failed(f"{type(exc).__name__}: {exc}"))
 
     async def _pause(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -87,7 +164,8 @@ class JetStreamConsumer(batch.Consumer):
                 self.source.durable,
                 self.source.safe_url,
             )
-            self.outage.recovered()
+            self.not_ready.recovered()
+            self.broker.recovered()
             await self._consume(nc, js, subscription)
         finally:
             await self._close(nc)
@@ -109,10 +187,10 @@ class JetStreamConsumer(batch.Consumer):
 
         async def on_disconnected() -> None:
             if not self._closing:
-                self.outage.failed("broker", "connection lost; reconnecting")
+                self.broker.failed("connection lost; reconnecting")
 
         async def on_reconnected() -> None:
-            self.outage.recovered()
+            self.broker.recovered()
 
         options: dict[str, Any] = {
             "name": f"webhook-receiver consume {self.source.name} pid {os.getpid()}",
@@ -124,7 +202,7 @@ class JetStreamConsumer(batch.Consumer):
             "disconnected_cb": on_disconnected,
             "reconnected_cb": on_reconnected,
         }
-        nc = nats.NATS()
+        nc = _Client()
         connecting = asyncio.ensure_future(nc.connect(self.source.url, **options))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CONNECT_WAIT_SECONDS
@@ -176,9 +254,9 @@ class JetStreamConsumer(batch.Consumer):
         try:
             await js.stream_info(stream)
         except nats.js.errors.NotFoundError as exc:
-            raise FatalConsumerError(
-                f"source {self.source.name}: stream {stream!r} does not exist on "
-                f"{self.source.safe_url}; create it first"
+            raise SourceNotReady(
+                f"stream {stream!r} does not exist on {self.source.safe_url}; "
+                f"create it (flask --app wsgi brokers declare {self.source.name})"
             ) from exc
         try:
             info = await js.consumer_info(stream, durable)
@@ -214,7 +292,7 @@ class JetStreamConsumer(batch.Consumer):
                 shown = ", ".join(sorted(filters)) or "nothing"
                 problem = f"filters {shown}, but filter_subject is {self.source.filter_subject!r}"
         if problem:
-            raise FatalConsumerError(
+            raise SourceNotReady(
                 f"source {self.source.name}: durable consumer {self.source.durable!r} of stream "
                 f"{self.source.stream!r} {problem}; delete it (nats consumer rm "
                 f"{self.source.stream} {self.source.durable}) for consume to create it, "
@@ -251,17 +329,18 @@ class JetStreamConsumer(batch.Consumer):
                 taken.append(message)
         for message in own:
             await message.ack()
-        deliveries = [self._delivery(m) for m in taken]
+        # On the event loop's thread, which fills nc.malformed.
+        raws = [(m, nc.malformed.pop(m.reply, None) if nc.malformed else None) for m in taken]
         try:
-            verdicts = await asyncio.to_thread(self._store, deliveries)
+            verdicts = await asyncio.to_thread(self._store, raws)
         except batch.DatabaseUnavailable as exc:
-            delay = self.outage.failed("database", exc)
+            delay = self.database.failed(exc)
             for message in taken:
                 await message.nak(delay=delay)
             await nc.flush()
             await self._pause(delay)
             return
-        self.outage.recovered()
+        self.database.recovered()
         dead: list[batch.Verdict] = []
         retried = 0
         try:
@@ -281,8 +360,8 @@ class JetStreamConsumer(batch.Consumer):
             self.dead_lettered(dead)
         self.settled += len(messages) - retried
 
-    def _store(self, deliveries: list[Delivery]) -> list[batch.Verdict]:
-        prepared = self.prepare(self.source, deliveries)
+    def _store(self, raws: list[_Raw]) -> list[batch.Verdict]:
+        prepared = self.prepare(self.source, raws, self._delivery)
         with self.app.app_context():
             return self.store(self.source, prepared)
 
@@ -306,6 +385,16 @@ class JetStreamConsumer(batch.Consumer):
         headers[MSG_ID] = f"dead-letter:{self.source.stream}:{message.metadata.sequence.stream}"
         try:
             await js.publish(subject, message.data, headers=headers, timeout=5)
+        except _REFUSED as exc:
+            # No copy can ever be published: terminated alone, said loudly.
+            log.error(
+                "source %s: the dead-letter copy was refused (%s); the message is terminated "
+                "without one",
+                self.source.name,
+                exc,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
+            return True
         except _ERRORS as exc:
             log.error(
                 "source %s: could not dead-letter to %r (%s); the message is retried",
@@ -316,7 +405,10 @@ class JetStreamConsumer(batch.Consumer):
             return False
         return True
 
-    def _delivery(self, message: Any) -> Delivery:
+    def _delivery(self, raw: _Raw) -> Delivery:
+        message, malformed = raw
+        if malformed is not None:
+            raise Unidentified(MALFORMED, malformed)
         headers = dict(message.headers or {})
         return Delivery(
             body=message.data,

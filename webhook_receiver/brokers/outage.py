@@ -1,4 +1,4 @@
-"""Backing off through an outage (database or broker), logging it once."""
+"""Backing off through an outage (the broker, the database, a missing queue), logging it once."""
 
 from __future__ import annotations
 
@@ -9,40 +9,65 @@ import time
 log = logging.getLogger("webhook_receiver.brokers")
 
 
-class FatalConsumerError(Exception):
-    """The consumer cannot run as configured (a missing queue or stream): it stops."""
+class SourceNotReady(Exception):
+    """The source cannot run as configured yet (a missing queue or stream): it waits and retries.
+
+    The other sources of the process, and the web server beside it, go on.
+    """
 
 
 class Outage:
-    """The state of one consumer's current outage: when it began and the next wait."""
+    """One cause of outage of one consumer (``what``: broker, database, queue...).
 
-    def __init__(self, source: str, *, first: float = 0.5, cap: float = 30.0) -> None:
+    Each cause has its own record, so that the end of one (a batch stored:
+    the database is back) never ends, or times, another (the broker still
+    away). The first failure is logged as the outage's start, each later
+    one as a line of its own (one per attempt, with the wait before the
+    next), and the recovery with the outage's true length.
+    """
+
+    def __init__(self, source: str, what: str, *, first: float = 0.5, cap: float = 30.0) -> None:
         self.source = source
+        self.what = what
         self.first = first
         self.cap = cap
         self.since: float | None = None
-        self.what: str | None = None
+        self.attempts = 0
         self._next = first
 
-    def failed(self, what: str, error: BaseException | str) -> float:
-        """Record a failure; return how long to wait. Logged once per outage and cause."""
-        if self.since is None or self.what != what:
-            log.warning(
-                "source %s: %s unavailable, backing off and retrying: %s",
-                self.source,
-                what,
-                error,
-                extra={"source": self.source, "outage": what},
-            )
-            self.since = self.since or time.monotonic()
-            self.what = what
+    def failed(self, error: BaseException | str) -> float:
+        """Record a failure; return how long to wait before the next attempt."""
         delay = self._next
         self._next = min(self._next * 2, self.cap)
         # Jitter, so that consumers cut off together do not come back together.
-        return delay * (0.5 + random.random() / 2)
+        delay *= 0.5 + random.random() / 2
+        extra = {"source": self.source, "outage": self.what}
+        if self.since is None:
+            self.since = time.monotonic()
+            self.attempts = 1
+            log.warning(
+                "source %s: %s unavailable, backing off and retrying: %s",
+                self.source,
+                self.what,
+                error,
+                extra=extra,
+            )
+        else:
+            self.attempts += 1
+            log.warning(
+                "source %s: %s still unavailable after %.1f s (attempt %d, next in %.1f s): %s",
+                self.source,
+                self.what,
+                time.monotonic() - self.since,
+                self.attempts,
+                delay,
+                error,
+                extra=extra,
+            )
+        return delay
 
     def recovered(self) -> None:
-        """Record a success; log the end of an outage if one was on."""
+        """Record a success; log the end of the outage if one was on."""
         if self.since is not None:
             log.info(
                 "source %s: %s back after %.1f s",
@@ -52,5 +77,4 @@ class Outage:
                 extra={"source": self.source, "outage": self.what},
             )
         self.since = None
-        self.what = None
         self._next = self.first

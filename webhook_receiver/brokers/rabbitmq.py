@@ -10,6 +10,12 @@ a message to dead-letter a
 unchanged). The database away: the batch is nacked with requeue and the
 consumer backs off. The broker away: reconnect with backoff; what was not
 acknowledged comes back and is recognised as duplicates.
+
+No message stops the consumer: one whose properties pika cannot decode
+(tables nested past Python's recursion limit, an unknown field type) is
+handed over with no properties and dead-lettered by its delivery tag (see
+:class:`_TolerantProperties`); names, ids and routing keys that are not
+UTF-8 are dead-lettered, never decoded with replacement characters.
 """
 
 from __future__ import annotations
@@ -19,16 +25,20 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
+import orjson
 import pika
 import pika.exceptions
+import pika.spec
 from flask import Flask
 
 from ..config import AMQP_PROPERTIES, BrokerSourceConfig
 from . import batch
-from .identify import Delivery, text_of
-from .outage import FatalConsumerError
+from .identify import MALFORMED, MAX_TABLE_DEPTH, Delivery, Unidentified, binary_text, exact_text
+from .outage import SourceNotReady
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,33 @@ Raw = tuple[Any, Any, bytes]
 _STORED_PROPERTIES = AMQP_PROPERTIES - {"content_type"}
 
 
+class _TolerantProperties(pika.spec.BasicProperties):
+    """pika's message properties, decoded without failing the connection.
+
+    pika decodes a message's content header inside its I/O loop: an error
+    there (a RecursionError for tables nested a few hundred deep, an
+    unknown field type) leaves the frame in its buffer, so every
+    reconnection meets the same message again and the queue behind it is
+    blocked for good. Decoded by this class, such a message arrives with
+    no properties and the reason in ``undecodable``, and is dead-lettered
+    by its delivery tag like any other message that cannot be stored.
+    """
+
+    undecodable: str | None = None
+
+    def decode(self, encoded: bytes, offset: int = 0) -> _TolerantProperties:
+        try:
+            super().decode(encoded, offset)
+        except Exception as exc:  # RecursionError included: the stack is unwound here
+            self.__init__()  # type: ignore[misc]  # every property unset
+            self.undecodable = f"pika could not decode its properties ({type(exc).__name__})"
+        return self
+
+
+# pika looks a content header's properties class up by its AMQP class id.
+pika.spec.props[pika.spec.BasicProperties.INDEX] = _TolerantProperties
+
+
 class RabbitConsumer(batch.Consumer):
     """Consume one RabbitMQ queue into the inbox until ``stop`` is set."""
 
@@ -52,14 +89,14 @@ class RabbitConsumer(batch.Consumer):
         self._cancelled = False
 
     def run(self) -> None:
-        """Consume until stopped; reconnect and back off through outages."""
+        """Consume until stopped; reconnect and back off through outages and a missing queue."""
         while not self.stop.is_set():
             try:
                 self._session()
-            except FatalConsumerError:
-                raise
+            except SourceNotReady as exc:
+                self.stop.wait(self.not_ready.failed(exc))
             except _CONNECTION_ERRORS as exc:
-                self.stop.wait(self.outage.failed("broker", _describe(exc)))
+                self.stop.wait(self.broker.failed(_describe(exc)))
 
     def _connect(self) -> pika.BlockingConnection:
         params = pika.URLParameters(self.source.url)
@@ -89,7 +126,8 @@ class RabbitConsumer(batch.Consumer):
                 self.source.queue,
                 self.source.safe_url,
             )
-            self.outage.recovered()
+            self.not_ready.recovered()
+            self.broker.recovered()
             self._loop(connection, channel, pending)
             if self._cancelled:
                 return  # the queue went away: the next session says so
@@ -109,9 +147,9 @@ class RabbitConsumer(batch.Consumer):
             channel.queue_declare(self.source.queue or "", passive=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == _NOT_FOUND:
-                raise FatalConsumerError(
-                    f"source {self.source.name}: queue {self.source.queue!r} does not exist on "
-                    f"{self.source.safe_url}; declare it (with its dead-letter exchange) first"
+                raise SourceNotReady(
+                    f"queue {self.source.queue!r} does not exist on {self.source.safe_url}; "
+                    f"declare it (flask --app wsgi brokers declare {self.source.name})"
                 ) from exc
             raise
 
@@ -152,10 +190,7 @@ class RabbitConsumer(batch.Consumer):
                     taken = pending[: self.source.batch]
                     del pending[: self.source.batch]
                     first_at = time.monotonic() if pending else None
-                    deliveries = [
-                        self._delivery(method, props, body) for method, props, body in taken
-                    ]
-                    ready = (taken, self.prepare(self.source, deliveries))
+                    ready = (taken, self.prepare(self.source, taken, _delivery_of(self.source)))
                     continue
                 # A stored batch wakes this wait (see _submit). With a batch
                 # prepared, nothing more is taken until then: a timeout
@@ -205,12 +240,12 @@ class RabbitConsumer(batch.Consumer):
             last = (pending or behind or taken)[-1][0].delivery_tag
             pending.clear()
             channel.basic_nack(delivery_tag=last, multiple=True, requeue=True)
-            delay = self.outage.failed("database", exc)
+            delay = self.database.failed(exc)
             deadline = time.monotonic() + delay
             while not self.stop.is_set() and time.monotonic() < deadline:
                 connection.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
             return False
-        self.outage.recovered()
+        self.database.recovered()
         run_end: int | None = None
         dead: list[batch.Verdict] = []
         try:
@@ -232,26 +267,78 @@ class RabbitConsumer(batch.Consumer):
         self.settled += len(taken)
         return True
 
-    def _delivery(self, method: Any, props: Any, body: bytes) -> Delivery:
-        # pika's BasicProperties holds every property as an attribute, None when unset.
+
+def _delivery_of(source: BrokerSourceConfig) -> Any:
+    """The function that turns one of ``source``'s raw messages into a Delivery."""
+    queue = source.queue
+
+    def delivery(raw: Raw) -> Delivery:
+        method, props, body = raw
+        if getattr(props, "undecodable", None):
+            raise Unidentified(MALFORMED, props.undecodable)
+        # pika's BasicProperties holds every property as an attribute, None when
+        # unset; a short string that is not UTF-8 comes as bytes.
         properties = {
-            name: value if type(value) is str else text_of(value)
+            name: value if type(value) is str or type(value) is bytes else str(value)
             for name, value in vars(props).items()
             if value is not None and name in _STORED_PROPERTIES
         }
-        headers = {str(k): text_of(v) for k, v in props.headers.items()} if props.headers else {}
+        headers = (
+            {exact_text(k, "a header name"): _header_value(v) for k, v in props.headers.items()}
+            if props.headers
+            else {}
+        )
+        content_type = props.content_type
         return Delivery(
             body=body,
-            content_type=props.content_type,
+            content_type=None if content_type is None else exact_text(content_type, "content_type"),
             headers=headers,
             properties=properties,
             meta={
                 "broker": "rabbitmq",
-                "queue": self.source.queue,
-                "exchange": method.exchange,
-                "routing_key": method.routing_key,
+                "queue": queue,
+                "exchange": exact_text(method.exchange, "the exchange"),
+                "routing_key": exact_text(method.routing_key, "the routing key"),
             },
         )
+
+    return delivery
+
+
+def _header_value(value: Any) -> str | bytes:
+    """An AMQP header's value as text; bytes where it is not UTF-8 (kept exactly)."""
+    if type(value) is str:
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value
+    if isinstance(value, dict | list):
+        # A nested table or array: its JSON text, keys sorted.
+        return orjson.dumps(_plain(value, 1), option=orjson.OPT_SORT_KEYS).decode()
+    return str(value)
+
+
+def _plain(value: Any, depth: int) -> Any:
+    """An AMQP table's value as JSON can hold it, exactly; Unidentified where it cannot."""
+    if isinstance(value, dict | list):
+        if depth > MAX_TABLE_DEPTH:
+            raise Unidentified(MALFORMED, f"header tables nested deeper than {MAX_TABLE_DEPTH}")
+        if isinstance(value, list):
+            return [_plain(item, depth + 1) for item in value]
+        return {
+            exact_text(key, "a header table's key"): _plain(item, depth + 1)
+            for key, item in value.items()
+        }
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return binary_text(value)
+    if isinstance(value, Decimal | datetime):
+        return str(value)
+    return value
 
 
 def _wake(connection: Any) -> None:

@@ -1,9 +1,11 @@
 """Running broker consumers, one thread per source, until SIGTERM.
 
 SIGTERM or SIGINT sets a stop flag: each consumer commits and settles the
-batch it has in hand, then returns. A consumer that cannot run as
-configured (a missing queue or stream) stops them all: the process exits
-non-zero with its message, for its supervisor to show.
+batch it has in hand, then returns. One source's failure never stops
+another: a consumer waits and retries through a missing queue or stream
+(logged once), and one that fails for any other reason (a bug) is logged
+with its traceback and started again after a back-off, while the other
+sources go on.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Protocol
@@ -19,10 +22,13 @@ from flask import Flask
 
 from ..config import BrokerSourceConfig, ConfigError, FileConfig
 from .jetstream import JetStreamConsumer
-from .outage import FatalConsumerError
+from .outage import Outage
 from .rabbitmq import RabbitConsumer
 
 log = logging.getLogger("webhook_receiver.brokers")
+
+# A consumer that failed after running this long backs off from the start again.
+HEALTHY_SECONDS = 60.0
 
 
 class Consumer(Protocol):
@@ -51,29 +57,12 @@ def consumer_for(app: Flask, source: BrokerSourceConfig, stop: threading.Event) 
     return JetStreamConsumer(app, source, stop)
 
 
-def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> str | None:
-    """Consume ``sources`` until ``stop`` is set (SIGTERM sets it); the fatal error, if any."""
+def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:
+    """Consume ``sources`` until ``stop`` is set (SIGTERM sets it)."""
     previous = _install_signals(stop)
-    fatal: list[str] = []
-
-    def target(consumer: Consumer) -> None:
-        try:
-            consumer.run()
-        except FatalConsumerError as exc:
-            fatal.append(str(exc))
-            stop.set()
-        except Exception:
-            # A bug, not an outage: the others stop too rather than run on
-            # with one source silently unconsumed.
-            log.exception("a broker consumer failed")
-            fatal.append("a broker consumer failed (see the log)")
-            stop.set()
-
     threads = [
-        threading.Thread(
-            target=target, args=(consumer_for(app, s, stop),), name=f"consume-{s.name}"
-        )
-        for s in sources
+        threading.Thread(target=_supervise, args=(app, source, stop), name=f"consume-{source.name}")
+        for source in sources
     ]
     try:
         for thread in threads:
@@ -85,7 +74,22 @@ def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return fatal[0] if fatal else None
+
+
+def _supervise(app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
+    """Run one source's consumer until ``stop``; start it again, backing off, when it fails."""
+    failures = Outage(source.name, "consumer", first=1.0)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            consumer_for(app, source, stop).run()
+        except Exception as exc:
+            if time.monotonic() - started > HEALTHY_SECONDS:
+                failures.recovered()  # a failure long after the last: back off from the start
+            # A bug, not an outage (those are handled inside): this source
+            # starts again, the others never notice.
+            log.exception("source %s: the consumer failed", source.name)
+            stop.wait(failures.failed(f"{type(exc).__name__}: {exc}"))
 
 
 def _install_signals(stop: threading.Event) -> dict[int, Any]:

@@ -16,7 +16,11 @@ counter counts each one at once.
 
 What this gives up: a process killed outright (SIGKILL, power loss) loses
 the redeliveries it had not written yet, at most that many seconds' worth,
-so stored counts may fall short. (The one way to run over: the connection
+so stored counts may fall short. A broker consumer writes its batch's
+redeliveries (:func:`flush`) before it acknowledges the batch: killed
+outright, it has acknowledged no redelivery whose count is unwritten, and
+the batch in hand comes back to be counted (twice, at most that batch,
+when the kill falls between the write and the acks). (The one way to run over: the connection
 dies while a batch's COMMIT is on its way, the commit succeeded unseen, and
 the batch is written again.) A write that fails
 (the database away) is tried again on the next round; past
@@ -226,6 +230,16 @@ def record_many(redeliveries: list[Redelivery]) -> None:
     """Note a batch's redeliveries in the current app's ledger."""
     ledger: DuplicateLedger = current_app.extensions[EXTENSION]
     ledger.record_many(redeliveries)
+
+
+def flush() -> int:
+    """Write the current app's pending redeliveries now; how many were written.
+
+    A broker consumer calls it before acknowledging a batch with
+    duplicates, so that a kill -9 loses at most that batch's counts.
+    """
+    ledger: DuplicateLedger = current_app.extensions[EXTENSION]
+    return ledger.flush()
 
 
 def init_app(app: Flask) -> None:
