@@ -43,18 +43,17 @@ RUN_PROCESSES += $(if $(shell $(VENV)/bin/flask --app wsgi consume --list 2>/dev
 # Serve and process on the embedded SQLite default with the sample config.
 # One SIGTERM or Ctrl-C (to make, or to the pid it prints) stops every process;
 # so does `make stop` from another shell. Both share one metrics directory,
-# so /metrics shows the worker's counts.
+# so /metrics shows the worker's counts. While one runs, another refuses
+# before it migrates or starts anything (bin/supervise.py holds the pidfile).
 run: $(VENV)/.runtime instance/config.toml instance/secret_key
+	@$(PY) bin/supervise.py --pidfile $(PIDFILE) --check
 	$(VENV)/bin/flask --app wsgi db upgrade
 	mkdir -p instance/metrics
 	PROMETHEUS_MULTIPROC_DIR=$(CURDIR)/instance/metrics \
 	exec $(PY) bin/supervise.py --pidfile $(PIDFILE) $(RUN_PROCESSES)
 
 stop:
-	@if [ -f $(PIDFILE) ]; then \
-		pid=$$(cat $(PIDFILE)); kill $$pid 2>/dev/null || true; \
-		while kill -0 $$pid 2>/dev/null; do sleep 0.2; done; \
-		echo "stopped (pid $$pid)"; \
+	@if [ -f $(PIDFILE) ]; then $(PY) bin/supervise.py --pidfile $(PIDFILE) --stop; \
 	else echo "not running (no $(PIDFILE))"; fi
 
 test: $(VENV)/.installed

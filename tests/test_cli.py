@@ -1,4 +1,4 @@
-"""The flask commands after ``make run``'s set-up, with nothing exported; one-line errors; stopping.
+"""The flask commands after ``make run``'s set-up, with nothing exported; one-line errors; make run.
 
 Each test works in a fresh checkout (tests/checkout.py): its own instance
 folder, written by the Makefile as ``make run`` writes it.
@@ -9,12 +9,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
 import requests
 
 from .checkout import bare_env, fresh_checkout, run
+from .conftest import CI
 from .databases import throwaway_postgresql
 from .servers import free_port, wait_until
 
@@ -123,6 +128,26 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid``, each with its command line."""
+    found = {}
+    for child in _descendants(pid):
+        try:
+            if int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            found[child] = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok
+    except requests.RequestException:
+        return False
+
+
 def _make_run(root: Path, port: int) -> tuple[subprocess.Popen[bytes], set[int]]:
     log = open(root / "make-run.log", "wb")  # noqa: SIM115 - closed with the process
     make = subprocess.Popen(
@@ -133,15 +158,8 @@ def _make_run(root: Path, port: int) -> tuple[subprocess.Popen[bytes], set[int]]
         stderr=subprocess.STDOUT,
     )
     log.close()
-
-    def healthy() -> bool:
-        try:
-            return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok
-        except requests.RequestException:
-            return False
-
     try:
-        assert wait_until(healthy, timeout=60), (root / "make-run.log").read_text()
+        assert wait_until(lambda: _healthy(port), timeout=60), (root / "make-run.log").read_text()
         # The supervisor, gunicorn's master and worker, and the delivery worker.
         assert wait_until(lambda: len(_descendants(make.pid)) >= 4, timeout=30)
     except BaseException:
@@ -185,6 +203,135 @@ def test_make_stop_stops_what_make_run_started(checkout):
         for pid in processes:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _stop_make_run(make: subprocess.Popen[bytes], processes: set[int]) -> None:
+    """Stop a ``make run`` (if still running) and kill whatever of it is left."""
+    processes = processes | _descendants(make.pid)
+    if make.poll() is None:
+        make.send_signal(signal.SIGTERM)
+        try:
+            make.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            make.kill()
+            make.wait()
+    for pid in processes:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_second_make_run_refuses_at_once_and_make_stop_stops_the_first(checkout):
+    port = free_port()
+    make, processes = _make_run(checkout, port)
+    try:
+        pidfile = checkout / "instance" / "run.pid"
+        pid = int(pidfile.read_text())
+        # On another port, so that a second server, had one started, would answer.
+        other = free_port()
+        started = time.monotonic()
+        second = run(checkout, f"make run BIND=127.0.0.1:{other} WORKERS=1", timeout=60)
+        assert time.monotonic() - started < 15
+        assert second.returncode != 0
+        assert f"webhook-receiver is already running as pid {pid}; `make stop` first" in (
+            second.stdout
+        )
+        assert "db upgrade" not in second.stdout  # refused before the migrations
+        assert not _healthy(other)
+        # The first is untouched: its pidfile, its processes, its answers.
+        assert pidfile.read_text() == f"{pid}\n"
+        assert _descendants(make.pid) == processes
+        assert _healthy(port)
+
+        result = run(checkout, "make stop")
+        assert result.returncode == 0, result.stdout
+        assert f"stopped (pid {pid})" in result.stdout
+        assert make.wait(timeout=60) == 0
+        assert not any(_alive(p) for p in processes)
+        assert not pidfile.exists()
+    finally:
+        _stop_make_run(make, processes)
+
+
+RABBIT_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+
+
+@pytest.fixture
+def amqp_queue() -> Iterator[str]:
+    """A throwaway RabbitMQ queue, deleted afterwards (RabbitMQ down: skipped, failed in CI)."""
+    name = f"wr-test-{uuid.uuid4().hex[:10]}"
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(RABBIT_URL))
+    except Exception as exc:
+        message = f"RabbitMQ is not reachable: {type(exc).__name__}: {exc}"
+        if CI:
+            pytest.fail(f"{message} (CI: broker tests must run)")
+        pytest.skip(message)
+    try:
+        connection.channel().queue_declare(name)
+    finally:
+        connection.close()
+    yield name
+    connection = pika.BlockingConnection(pika.URLParameters(RABBIT_URL))
+    try:
+        connection.channel().queue_delete(name)
+    finally:
+        connection.close()
+
+
+def _consumers_of(queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(RABBIT_URL))
+    try:
+        return connection.channel().queue_declare(queue, passive=True).method.consumer_count
+    finally:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_a_killed_consumer_under_make_run_is_started_again_and_the_server_answers(
+    checkout, amqp_queue
+):
+    with open(checkout / "instance" / "config.toml", "a") as config:
+        config.write(
+            f'\n[sources.orders]\nprovider = "rabbitmq"\nurl = "{RABBIT_URL}"\n'
+            f'queue = "{amqp_queue}"\n'
+        )
+    port = free_port()
+    make, processes = _make_run(checkout, port)
+    try:
+        supervisor = int((checkout / "instance" / "run.pid").read_text())
+
+        def consumer() -> int | None:
+            found = [p for p, cmd in _children(supervisor).items() if cmd.endswith(" consume ")]
+            return found[0] if found else None
+
+        assert wait_until(lambda: consumer() is not None and _consumers_of(amqp_queue) == 1, 30)
+        killed = consumer()
+        assert killed is not None
+        others = {p: cmd for p, cmd in _children(supervisor).items() if p != killed}
+        os.kill(killed, signal.SIGKILL)
+
+        answers = []
+
+        def back() -> bool:
+            answers.append(_healthy(port))
+            again = consumer()
+            return again not in (None, killed) and _consumers_of(amqp_queue) == 1
+
+        assert wait_until(back, timeout=20, interval=0.2), (checkout / "make-run.log").read_text()
+        assert all(answers), answers  # /healthz answered throughout
+        # gunicorn and the worker are the same processes as before.
+        assert {p: c for p, c in _children(supervisor).items() if p in others} == others
+        log = (checkout / "make-run.log").read_text()
+        assert f"flask consume (pid {killed}) exited with signal SIGKILL" in log
+        assert f"flask consume started again as pid {consumer()}" in log
+        assert _healthy(port)
+
+        result = run(checkout, "make stop")
+        assert f"stopped (pid {supervisor})" in result.stdout
+        assert make.wait(timeout=60) == 0
+    finally:
+        _stop_make_run(make, processes)
 
 
 def test_commands_are_wrapped_once_however_many_apps_a_process_makes(tmp_path):
