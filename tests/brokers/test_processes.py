@@ -218,6 +218,49 @@ def test_kill9_mid_stream_then_restart_stores_every_message_once(
     assert drained()
 
 
+AGAIN = [*range(0, 700, 7), *range(3, 700, 7), *range(5, 700, 7)]
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq", "nats"])
+def test_kill9_after_a_stream_with_duplicates_loses_none_of_their_counts(
+    make_app, db_url, tmp_path, broker, request
+):
+    # 700 messages, 300 of them sent twice (AGAIN); once all are acknowledged the
+    # consumer is killed outright. Its redeliveries' counts were written
+    # before their acks: all 300 are there (the ledger's interval is set
+    # long, so a count still waiting in it would be lost).
+    if broker == "rabbitmq":
+        queue = request.getfixturevalue("amqp_queue")
+        sources = {"feed": rabbit_source(queue, prefetch=100)}
+        queue.publish([amqp_message(n) for n in range(700)] + [amqp_message(n) for n in AGAIN])
+
+        def drained() -> bool:
+            return queue.ready() == 0
+    else:
+        stream = request.getfixturevalue("jetstream")
+        sources = {"feed": nats_source(stream, batch=100, dedup_key="json:/payment")}
+        stream.publish([nats_message(n) for n in range(700)])
+        # Under a json: key (JetStream drops a repeated Nats-Msg-Id at publish).
+        stream.publish([("paid", json.dumps({"payment": n}).encode(), {}) for n in AGAIN])
+
+        def drained() -> bool:
+            return stream.pending() == (0, 0)
+
+    app = make_app({"sources": sources})
+    process, log = start_consume(
+        db_url, toml(sources), tmp_path, env={"WEBHOOK_RECEIVER_DUPLICATE_FLUSH_SECONDS": "60"}
+    )
+    try:
+        assert wait_until(lambda: count_events(app) == 700 and drained(), 60), _log(log)
+        time.sleep(1)  # the acks of the last batch stored (a RabbitMQ queue counts ready ones)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+    finally:
+        stop(process)
+    assert drained()  # every message was acknowledged: none comes back to be counted again
+    assert duplicate_total(app) == 300, _log(log)
+
+
 def _hold_writers(db_url: str) -> Any:
     """Make the app's writers wait (without failing) from outside; return a release function."""
     if db_url.startswith("sqlite"):

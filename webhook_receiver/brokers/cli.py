@@ -10,7 +10,15 @@ from flask import current_app
 from flask.cli import with_appcontext
 
 from ..config import ConfigError
+from ..observability import logging as log_setup
 from . import runner
+
+# pika's loggers that narrate a connection attempt's steps and failure.
+PIKA_CONNECTION_STEPS = (
+    "pika.adapters.utils.io_services_utils",
+    "pika.adapters.utils.connection_workflow",
+    "pika.adapters.blocking_connection",
+)
 
 
 @click.command("consume")
@@ -29,8 +37,13 @@ def consume_command(sources: tuple[str, ...], list_only: bool) -> None:
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     logging.getLogger("webhook_receiver.brokers").setLevel(logging.INFO)
-    # pika narrates every connection step at INFO; its warnings still show.
-    logging.getLogger("pika").setLevel(logging.WARNING)
+    # The clients' own lines, at WARNING, as JSON like ours. pika says a
+    # failed connection seven times, once with a traceback; the consumer
+    # says it once per attempt, with its cause.
+    for library in ("pika", "nats"):
+        log_setup.adopt(library)
+    for step in PIKA_CONNECTION_STEPS:
+        logging.getLogger(step).setLevel(logging.CRITICAL)
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
         chosen = runner.sources_to_consume(app.config["FILE_CONFIG"], sources)

@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from typing import Any
 
 import nats
 import nats.errors
 import nats.js.errors
+import nats.protocol.parser
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from . import batch
@@ -78,15 +80,20 @@ class _Client(nats.NATS):
     def __init__(self) -> None:
         super().__init__()
         self.malformed: dict[str, str] = {}
+        self._ps = _Parser(self)
+
+    def note_malformed(self, reply: bytes, reason: str) -> None:
+        """Remember why the message to be settled through ``reply`` cannot be stored."""
+        if len(self.malformed) >= _MAX_MALFORMED:
+            self.malformed.pop(next(iter(self.malformed)))
+        self.malformed[reply.decode("ascii", "backslashreplace")] = reason
 
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
     ) -> None:
         reason = _malformed(subject, headers)
         if reason is not None:
-            if len(self.malformed) >= _MAX_MALFORMED:
-                self.malformed.pop(next(iter(self.malformed)))
-            self.malformed[reply.decode("ascii", "backslashreplace")] = reason
+            self.note_malformed(reply, reason)
             subject = subject.decode("utf-8", "backslashreplace").encode()
             headers = b""
         try:
@@ -97,6 +104,46 @@ class _Client(nats.NATS):
             log.exception("nats: a message could not be read; terminating it")
             if reply:
                 await self.publish(reply.decode("ascii", "backslashreplace"), b"+TERM")
+
+
+class _Parser(nats.protocol.parser.Parser):
+    """nats-py's parser, reading a message line whose subject holds a vertical tab or form feed.
+
+    The server splits a protocol line on spaces and tabs only; nats-py's
+    patterns split on any white space, so such a subject fails the line
+    (a protocol error: a reconnection, the message redelivered, for ever).
+    The line is read here the server's way, its subject replaced by a
+    stand-in and the message noted as malformed, and parsing goes on.
+    """
+
+    nc: _Client
+
+    async def parse(self, data: bytes = b"") -> None:
+        while True:
+            try:
+                await super().parse(data)
+                return
+            except nats.errors.ProtocolError:
+                if not self._rescue():
+                    raise
+                data = b""  # what was given is in the buffer already
+
+    def _rescue(self) -> bool:
+        end = self.buf.find(b"\r\n")
+        line = bytes(self.buf[:end]) if end > 0 else b""
+        args = re.split(rb"[ \t]+", line)
+        expected = {b"MSG": (4, 5), b"HMSG": (5, 6)}.get(args[0])
+        if expected is None or len(args) not in expected or not _WHITE.search(args[1]):
+            return False
+        if len(args) == expected[1]:  # a reply subject: the message can be settled
+            self.nc.note_malformed(args[3], "the subject holds white space")
+        args[1] = _WHITE.sub(b"_", args[1])
+        self.buf[:end] = b" ".join(args)
+        return True
+
+
+# What nats-py's patterns take for a separator but the server does not.
+_WHITE = re.compile(rb"[\v\f]")
 
 
 def _malformed(subject: bytes, headers: bytes) -> str | None:

@@ -355,5 +355,6 @@ def _nothing() -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
+    # pika's connection errors print nothing: their cause is in args, told by repr.
+    text = str(exc) or ", ".join(map(repr, exc.args)) or "no detail"
     return f"{type(exc).__name__}: {text}"

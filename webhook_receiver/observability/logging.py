@@ -89,6 +89,24 @@ def configure(fmt: str = "json", level: str | int = "INFO", stream: IO[str] | No
     logger.propagate = False
 
 
+def adopt(name: str, level: int = logging.WARNING) -> None:
+    """Send a client library's lines (pika, nats) through the package's handlers, at ``level``.
+
+    Otherwise they reach the root logger, as plain text between the JSON
+    lines, or Python's last-resort handler.
+    """
+    library = logging.getLogger(name)
+    library.setLevel(level)
+    ours = [h for h in logging.getLogger(PACKAGE_LOGGER).handlers if isinstance(h, _Handler)]
+    if not ours:
+        return  # logging is someone else's (a test, an operator's set-up): lines propagate
+    for old in [h for h in library.handlers if isinstance(h, _Handler)]:
+        library.removeHandler(old)
+    for handler in ours:
+        library.addHandler(handler)
+    library.propagate = False
+
+
 def already_configured() -> bool:
     """Tell whether someone else configured logging (the root or the package logger)."""
     if logging.getLogger().handlers:
