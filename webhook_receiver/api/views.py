@@ -10,20 +10,19 @@ from flask import Blueprint, Response, abort, g, jsonify, request, url_for
 
 from .. import correlation, events, inbox
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..idempotency import idempotent
+from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
-from ..problems import Problem
 from .auth import require_client
 
 bp = Blueprint("api", __name__, url_prefix="/api")
 
 
 def parse_json_body(body: bytes) -> Any:
-    """Parse a request's JSON body or raise the 400 problem."""
+    """Parse a request's JSON body or raise the 400 problem (a refusal: it binds no key)."""
     try:
         return loads(body)
     except JSONError as exc:
-        raise Problem("invalid-json", str(exc)) from exc
+        raise Refused("invalid-json", str(exc)) from exc
 
 
 def _parsed(body: bytes) -> tuple[Any, bytes]:
@@ -38,16 +37,18 @@ def _parsed(body: bytes) -> tuple[Any, bytes]:
 @idempotent(speculative=True)
 def create_event() -> tuple[Response, int, dict[str, str]]:
     """Store an event posted by an API client."""
+    # Every refusal below comes before any work: it binds no Idempotency-Key,
+    # and the client may send the corrected request under the same key.
     body = request.get_data(cache=True)
     if not is_json_type(request.content_type):
-        raise Problem("invalid-json", "send the event as Content-Type: application/json")
+        raise Refused("invalid-json", "send the event as Content-Type: application/json")
     if len(request.content_type or "") > 255:  # the column's length (PostgreSQL would 500)
-        raise Problem("unsupported-media-type", "the Content-Type header is too long")
+        raise Refused("unsupported-media-type", "the Content-Type header is too long")
     # Parsed and made canonical once, by @idempotent's fingerprint.
     parsed = request.environ.get(JSON_BODY)
     payload, canonical = parsed if parsed is not None else _parsed(body)
     if not isinstance(payload, dict):
-        raise Problem("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
+        raise Refused("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")
     # PostgreSQL text cannot hold NUL: refused here on every database alike.
     if (
@@ -56,12 +57,12 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
         or len(event_type) > 255
         or "\x00" in event_type
     ):
-        raise Problem(
+        raise Refused(
             "invalid-event",
             '"type" must be a non-empty string of at most 255 characters, without NUL',
         )
     if "data" not in payload:
-        raise Problem("invalid-event", '"data" is required (any JSON value)')
+        raise Refused("invalid-event", '"data" is required (any JSON value)')
     source = f"api:{g.client}"
     now = datetime.now(UTC)
     event_id = inbox.add(

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .decorator import idempotent
+from .decorator import Refused, idempotent
 
-__all__ = ["idempotent"]
+__all__ = ["Refused", "idempotent"]

@@ -5,7 +5,8 @@ transaction: a retry sees either nothing or the whole, and a racing request
 with the key waits for the holder's commit, then replays. With
 ``two_phase=True`` the claim commits on its own first, so concurrent retries
 see it (409) and a crashed holder's lease can expire; the view's writes and
-the saved response then commit together. See docs/idempotency.md.
+the saved response then commit together. A request the view refuses before
+it begins its work (``Refused``) binds nothing. See docs/idempotency.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, TypeVar, cast, overload
 from urllib.parse import parse_qsl, urlencode
 
 from flask import Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
 
 from .. import inbox
 from ..database import unit_of_work, untouched
@@ -41,6 +43,27 @@ _REPLAYED_HEADERS = frozenset(
 _NEVER_REPLAYED = frozenset({"x-request-id", "x-correlation-id"})
 # Where request_fingerprint leaves a JSON body it parsed, for the view.
 JSON_BODY = "webhook_receiver.json_body"
+# Answers about the request's form (too large, a media type the view cannot
+# read), raised while reading it (Werkzeug raises them too): the work never began.
+_REFUSED_STATUSES = frozenset({413, 415})
+
+
+class Refused(Problem):
+    """A refusal of the request before the view began its work: answered, never saved.
+
+    As Stripe saves a result only once an endpoint began executing, a body
+    that does not parse or validate binds nothing: the key stays free for
+    the corrected request. A view raises it before any work (no write, no
+    call to another service); a 4xx decided after is a plain ``Problem``,
+    saved and replayed.
+    """
+
+
+def refused_before_execution(exc: BaseException) -> bool:
+    """Whether a view's exception refuses the request before its work began (saved: no)."""
+    if isinstance(exc, Problem):
+        return isinstance(exc, Refused) or exc.status in _REFUSED_STATUSES
+    return isinstance(exc, HTTPException) and exc.code in _REFUSED_STATUSES
 
 
 def request_fingerprint() -> str:
@@ -167,7 +190,7 @@ class _KeyTaken(Exception):
 
 
 class _NotSaved(Exception):
-    """A 5xx answer: roll everything back and send it unsaved."""
+    """A 5xx or a refusal: roll everything back, release any claim, send it unsaved."""
 
     def __init__(self, response: Response) -> None:
         super().__init__(response.status)
@@ -222,6 +245,7 @@ def _one_commit(
     read_first = taken.read_first()
     for _ in range(5):
         failed: Exception | None = None
+        unsaved = False
         # The read and (on PostgreSQL) the one-statement write share a connection.
         with one_connection(db.engine):
             if read_first:
@@ -231,15 +255,18 @@ def _one_commit(
                     return _answer(req, outcome)
             try:
                 response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+            except _NotSaved as not_saved:
+                # A 5xx or a refusal: nothing was committed.
+                response, unsaved = not_saved.response, True
             except Exception as exc:
                 if read_first:
                     raise
                 failed, response = exc, None
         if not read_first:
-            unsaved_5xx = response is not None and response.status_code >= 500
-            if failed is not None or unsaved_5xx:
+            if failed is not None or unsaved:
                 # The view ran before the key was read, and nothing was
-                # committed: for a retry, its saved answer wins.
+                # committed: for a retry, its saved answer wins (and a
+                # refused body under a taken key is a 422, as if read first).
                 outcome = _find_after_failure(req)
                 if outcome is not None:
                     taken.note(taken=True)
@@ -274,7 +301,10 @@ def _run_in_one_transaction(
     ttl: timedelta,
     lock_timeout: float,
 ) -> Response | None:
-    """Claim, run the view and save its answer in one transaction; None if the key was taken."""
+    """Claim, run the view and save its answer in one transaction; None if the key was taken.
+
+    Raises ``_NotSaved``, everything rolled back, for a 5xx or a refusal.
+    """
     session = db.session
     try:
         # One transaction: the view's writes, then the claim and the saved
@@ -284,16 +314,16 @@ def _run_in_one_transaction(
         # view's new event is held back (inbox.holding): when it is all the
         # view wrote, the event, the claim and the answer are one statement.
         with inbox.holding() as held, unit_of_work():
-            raised = False
+            raised = refused = False
             try:
                 rv = view(*args, **kwargs)
             except Exception as exc:
                 # 4xx problems and HTTP errors are results worth replaying;
                 # anything else re-raises and rolls everything back.
                 rv = current_app.handle_user_exception(exc)
-                raised = True
+                raised, refused = True, refused_before_execution(exc)
             response = current_app.make_response(rv)
-            if response.status_code >= 500:
+            if response.status_code >= 500 or refused:
                 # Nothing is committed: the key is free for the retry.
                 raise _NotSaved(response)
             if raised:
@@ -314,8 +344,6 @@ def _run_in_one_transaction(
         # The key was taken (answer from its record), or the event's
         # reserved id was (the sequence went back: run with a fresh one).
         return None
-    except _NotSaved as unsaved:
-        return unsaved.response
     except records.KeyLocked:
         _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
         return problem_response(
@@ -383,18 +411,24 @@ def run_claimed(
         # the busy timeout is a 503 below, and the key is freed for the retry.
         with unit_of_work():
             records.hold(claimed)
+            refused = False
             try:
                 rv = view(*args, **kwargs)
             except Exception as exc:
                 # 4xx problems and HTTP errors are results worth replaying;
                 # anything else re-raises and releases the key below.
                 rv = current_app.handle_user_exception(exc)
-                # A view that raised keeps none of its writes: only the answer
-                # is saved (the lock is taken again where SQLite needs it).
-                session.rollback()
-                records.hold(claimed)
+                refused = refused_before_execution(exc)
+                if not refused:
+                    # A view that raised keeps none of its writes: only the
+                    # answer is saved (the lock is taken again where SQLite
+                    # needs it).
+                    session.rollback()
+                    records.hold(claimed)
             response = current_app.make_response(rv)
-            if response.status_code >= 500:
+            if response.status_code >= 500 or refused:
+                # Nothing is saved, and the claim is released: the key is
+                # free for the retry.
                 raise _NotSaved(response)
             records.complete(
                 claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
