@@ -597,6 +597,13 @@ def _broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceC
     dead = table.get("dead_letter_subject")
     if dead is not None and (not isinstance(dead, str) or not _SUBJECT.match(dead)):
         raise ConfigError(f"{where} dead_letter_subject must be a subject without wildcards")
+    if dead is not None and filter_subject is not None and subject_covers(filter_subject, dead):
+        # The copy would land in the consumed stream and come straight back.
+        raise ConfigError(
+            f"{where} dead_letter_subject {dead!r} is inside filter_subject "
+            f"{filter_subject!r}: the consumer would take its own dead letters; "
+            "choose a subject outside it, in a stream of its own"
+        )
     return BrokerSourceConfig(
         name=name,
         provider=provider,
@@ -609,6 +616,24 @@ def _broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceC
         dead_letter_subject=dead,
         **specs,
     )
+
+
+def subject_covers(pattern: str, subject: str) -> bool:
+    """Tell whether every subject ``subject`` names is one NATS delivers to ``pattern``.
+
+    ``*`` stands for one token and a final ``>`` for one or more; ``subject``
+    may hold wildcards too (a filter or a stream's subjects), and is covered
+    when all it can name is.
+    """
+    wanted, given = pattern.split("."), subject.split(".")
+    for n, token in enumerate(wanted):
+        if token == ">":
+            return len(given) > n
+        if n >= len(given) or given[n] == ">":
+            return False
+        if token != "*" and token != given[n]:
+            return False
+    return len(wanted) == len(given)
 
 
 def parse_broker_spec(spec: Any, provider: str, key: str = "dedup_key") -> tuple[str, str]:

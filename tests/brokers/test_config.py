@@ -171,3 +171,72 @@ def test_consume_list_prints_the_broker_sources(make_app):
     result = app.test_cli_runner().invoke(args=["consume", "--list"])
     assert (result.exit_code, result.output) == (0, "o\n")
     assert make_app({}).test_cli_runner().invoke(args=["consume", "--list"]).output == ""
+
+
+@pytest.mark.parametrize(
+    ("filter_subject", "dead"),
+    [
+        ("payments.>", "payments.dead"),
+        ("payments.*", "payments.dead"),
+        ("payments.dead", "payments.dead"),
+        ("*.dead", "payments.dead"),
+        (">", "dead"),
+    ],
+)
+def test_a_dead_letter_subject_inside_the_filter_subject_is_refused(filter_subject, dead):
+    table = {
+        "provider": "nats",
+        "url": "nats://127.0.0.1:4222",
+        "stream": "PAYMENTS",
+        "filter_subject": filter_subject,
+        "dead_letter_subject": dead,
+    }
+    with pytest.raises(cfg.ConfigError) as info:
+        _parse(payments=table)
+    message = str(info.value)
+    assert message.startswith("receiver.toml: [sources.payments] dead_letter_subject")
+    assert f"{dead!r} is inside filter_subject {filter_subject!r}" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("filter_subject", "dead"),
+    [
+        ("payments.>", "dead.payments"),
+        ("payments.>", "payments"),
+        ("payments.*", "payments.dead.letters"),
+        ("payments.paid", "payments.dead"),
+    ],
+)
+def test_a_dead_letter_subject_outside_the_filter_subject_is_taken(filter_subject, dead):
+    table = {
+        "provider": "nats",
+        "url": "nats://127.0.0.1:4222",
+        "stream": "PAYMENTS",
+        "filter_subject": filter_subject,
+        "dead_letter_subject": dead,
+    }
+    source = _parse(payments=table).brokers["payments"]
+    assert (source.filter_subject, source.dead_letter_subject) == (filter_subject, dead)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "covered"),
+    [
+        ("a.>", "a.b", True),
+        ("a.>", "a.b.c", True),
+        ("a.>", "a", False),
+        ("a.*", "a.b", True),
+        ("a.*", "a.b.c", False),
+        ("a.*", "a.*", True),
+        ("a.*", "a.>", False),
+        ("a.>", "a.*.>", True),
+        ("a.b", "a.*", False),
+        ("a.b", "a.b", True),
+        ("a.b", "a.c", False),
+        (">", "anything.at.all", True),
+        ("*", "a.b", False),
+    ],
+)
+def test_subject_covers_follows_nats_wildcards(pattern, subject, covered):
+    assert cfg.subject_covers(pattern, subject) is covered
