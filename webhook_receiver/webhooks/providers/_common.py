@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ...fingerprint import JSONError, loads
+from ...fingerprint import JSONError, canonical_number, loads
 from .base import (
     Inbound,
     MissingKeyError,
@@ -121,6 +121,18 @@ def dedup_key(value: Any) -> str:
         raise MissingKeyError("no dedup key")
     if len(value) > MAX_KEY_LENGTH:
         raise MissingKeyError("dedup key too long")
+    return value
+
+
+def pointer_text(value: Any) -> Any:
+    """A number a JSON pointer found, as key text (``1``, ``1.0``, ``1e0``: ``"1"``); else as is.
+
+    The same text as the number in canonical JSON (``fingerprint.canonical_number``),
+    and as a broker source's ``json:`` key: an id re-serialised as a float
+    is the same key. Booleans are not numbers here.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return canonical_number(value)
     return value
 
 

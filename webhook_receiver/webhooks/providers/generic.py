@@ -32,11 +32,8 @@ def _lookup(inbound: Inbound, spec: str, *, need_json: bool, key: bool = False) 
         if need_json:
             raise PayloadError("body is not JSON")
         return None
-    value = c.resolve_pointer(inbound.json, arg)
-    # Numbers are stringified (ids are often integers); booleans are not numbers here.
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return str(value)
-    return value
+    # Numbers are keys too (ids are often integers), written as canonical JSON writes them.
+    return c.pointer_text(c.resolve_pointer(inbound.json, arg))
 
 
 class GenericProvider:
