@@ -20,13 +20,26 @@ def _source(source_name: str) -> SourceConfig | None:
     return file_config.sources.get(source_name)
 
 
+def _not_a_webhook_source(source_name: str) -> str:
+    file_config: FileConfig = current_app.config["FILE_CONFIG"]
+    broker = file_config.brokers.get(source_name)
+    if broker is not None:
+        # Configured, but fed by its broker: saying "not configured" would send
+        # an operator looking for a typo in the config.
+        return (
+            f"{source_name!r} is a broker source ({broker.provider}): "
+            "it is consumed from its broker, not posted to"
+        )
+    return f"no source named {source_name!r} is configured"
+
+
 # OPTIONS has a view of its own (validate_webhook), so Flask's is turned off here.
 @bp.post("/<source_name>", provide_automatic_options=False)
 def receive_webhook(source_name: str) -> Response:
     """Verify, deduplicate and store one delivery; answer only after the commit."""
     source = _source(source_name)
     if source is None:
-        raise Problem("unknown-source", f"no source named {source_name!r} is configured")
+        raise Problem("unknown-source", _not_a_webhook_source(source_name))
     receipt = receive(source, request.get_data(cache=False), request.headers, request.remote_addr)
     response = jsonify(receipt.body)
     if receipt.outcome == "duplicate":
