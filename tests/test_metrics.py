@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -271,3 +273,32 @@ def test_gunicorn_start_keeps_live_processes_files_only(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"counter_{os.getpid()}.db"]
     hooks["on_exit"](None)  # a directory it did not make is left alone
     assert tmp_path.exists()
+
+
+def _readme_metrics() -> set[str]:
+    """The metric names of the README's table under "Metrics and alerts"."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Metrics and alerts", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| metric | labels | counts |", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"^\| `(webhook_receiver_\w+)` \|", table, re.MULTILINE))
+
+
+def test_the_readme_lists_every_metric_served(app, client):
+    """Every family /metrics serves is a row of the README's table, and every row is served."""
+    # Labelled counters no code has counted yet are served too (their HELP
+    # and TYPE lines), so nothing needs exercising to make them appear.
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    served = set(
+        re.findall(r"^# TYPE (webhook_receiver_\w+) ", response.get_data(as_text=True), re.M)
+    )
+    # The registry's own view, in case the exposition ever leaves an empty family out.
+    with app.app_context():
+        registry = app.extensions[metrics.EXTENSION].registry
+        collected = {
+            family.name + ("_total" if family.type == "counter" else "")
+            for family in registry.collect()
+        }
+    assert collected == served
+    assert "webhook_receiver_broker_dead_letters_total" in served
+    assert _readme_metrics() == served
