@@ -29,6 +29,7 @@ from ..config import BrokerSourceConfig, parse_broker_spec
 from ..fingerprint import (
     JSONError,
     canonical_json,
+    canonical_number,
     fingerprint,
     is_json_type,
     loads,
@@ -182,14 +183,8 @@ def _read(spec: _Spec, delivery: Delivery, parsed: Any) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float | int):
-        return _number_text(value)
-    return str(value)
-
-
-def _number_text(value: float) -> str:
-    # TEMPORARY until fingerprint's RFC 8785 number lands.
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
+        # As canonical JSON writes it (RFC 8785): 1, 1.0 and 1e0 are the key "1".
+        return canonical_number(value)
     return str(value)
 
 
