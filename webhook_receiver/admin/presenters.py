@@ -10,7 +10,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -353,6 +353,26 @@ def parse_utc(raw: str) -> datetime | None:
 def local_input(moment: datetime | None) -> str:
     """Format a datetime for a time field, as ISO 8601 in UTC (``YYYY-MM-DD HH:MM``)."""
     return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+# -- intakes -----------------------------------------------------------------
+
+BROKER_NAMES = {"rabbitmq": "RabbitMQ", "nats": "NATS"}
+
+
+def intake(source: str, brokers: Mapping[str, str], broker: object = None) -> str:
+    """Name what a source's messages came through: webhook, API, RabbitMQ or NATS.
+
+    ``brokers`` maps the configured broker sources to their provider;
+    ``broker`` is what the message itself says (an event's ``meta.broker``),
+    for a source no longer configured.
+    """
+    if source.startswith("api:"):
+        return "API"
+    provider = brokers.get(source) or (broker if isinstance(broker, str) else None)
+    if provider:
+        return BROKER_NAMES.get(provider, provider)
+    return "webhook"
 
 
 def idempotency_key(source: str, meta: object) -> str | None:

@@ -501,7 +501,7 @@ def list_conflicts(
     before: Cursor | None = None,
     after: Cursor | None = None,
 ) -> Page:
-    """One page of conflicting deliveries, newest first."""
+    """One page of conflicting deliveries, newest first, with the broker their event came from."""
     stmt = select(
         EventConflict.id,
         EventConflict.received_at,
@@ -512,7 +512,9 @@ def list_conflicts(
         EventConflict.last_seen_at,
         EventConflict.reviewed_at,
         EventConflict.review_note,
-    )
+        # NULL but for an event a broker consumer stored (meta.broker).
+        Event.meta["broker"].as_string().label("broker"),
+    ).join(Event, Event.id == EventConflict.event_id)
     if view == "unreviewed":
         stmt = stmt.where(EventConflict.reviewed_at.is_(None))
     elif view == "reviewed":

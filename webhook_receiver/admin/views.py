@@ -72,6 +72,11 @@ def _file_config() -> FileConfig:
     return current_app.config["FILE_CONFIG"]
 
 
+def _broker_providers() -> dict[str, str]:
+    """Each configured broker source's provider (rabbitmq, nats), to name its intake."""
+    return {name: source.provider for name, source in _file_config().brokers.items()}
+
+
 def _sources() -> list[str]:
     config = _file_config()
     # Webhook and broker sources alike, then the API clients' sources.
@@ -325,12 +330,14 @@ def conflicts() -> str:
     if view not in queries.CONFLICT_VIEWS:
         view = "unreviewed"
     page = queries.list_conflicts(limit=_page_size(), view=view, **_cursors())
+    brokers = _broker_providers()
     return render_template(
         "admin/conflicts.html",
         page=page,
         pager=_pager(page),
         view=view,
         views=queries.CONFLICT_VIEWS,
+        intakes={row.id: presenters.intake(row.source, brokers, row.broker) for row in page.rows},
     )
 
 
@@ -350,10 +357,12 @@ def conflict(conflict_id: int) -> str:
         [f"{n}: {v}" for n, v in presenters.redact(item.headers)],
         context=1000,
     )
+    meta = original.meta if isinstance(original.meta, dict) else {}
     return render_template(
         "admin/conflict.html",
         conflict=item,
         original=original,
+        intake=presenters.intake(item.source, _broker_providers(), meta.get("broker")),
         body=body,
         headers=headers,
         max_lines=presenters.MAX_DIFF_LINES,
