@@ -358,6 +358,17 @@ def local_input(moment: datetime | None) -> str:
 # -- intakes -----------------------------------------------------------------
 
 BROKER_NAMES = {"rabbitmq": "RabbitMQ", "nats": "NATS"}
+# What refused a webhook delivery (webhooks/receipt.py); any other reason is
+# a broker message dead-lettered without being stored (brokers/batch.py).
+WEBHOOK_REFUSALS = frozenset({"signature", "timestamp"})
+REJECTION_REASONS = {
+    "signature": "no secret verified the signature",
+    "timestamp": "signed time outside the tolerance",
+    "dedup-key-missing": "no dedup key: dead-lettered",
+    "payload-invalid": "body or key its specs cannot read: dead-lettered",
+    "message-malformed": "malformed message: dead-lettered",
+    "consumer-error": "the consumer failed on it: dead-lettered",
+}
 
 
 def intake(source: str, brokers: Mapping[str, str], broker: object = None) -> str:
@@ -373,6 +384,12 @@ def intake(source: str, brokers: Mapping[str, str], broker: object = None) -> st
     if provider:
         return BROKER_NAMES.get(provider, provider)
     return "webhook"
+
+
+def rejection_intake(source: str, reason: str, brokers: Mapping[str, str]) -> str:
+    """Name the intake of a refused delivery or dead-lettered broker message."""
+    # A broker source since removed from the config is known by its reason.
+    return intake(source, brokers, None if reason in WEBHOOK_REFUSALS else "broker")
 
 
 def idempotency_key(source: str, meta: object) -> str | None:

@@ -430,15 +430,21 @@ def evict(record_id: int) -> ResponseReturnValue:
 
 @bp.get("/rejections")
 def rejections() -> str:
-    """List deliveries refused for a bad signature or a stale timestamp."""
+    """List webhook deliveries refused (signature, timestamp) and broker messages dead-lettered."""
     source = request.args.get("source", "").strip()
     page = queries.list_rejections(limit=_page_size(), source=source, **_cursors())
+    brokers = _broker_providers()
     return render_template(
         "admin/rejections.html",
         page=page,
         pager=_pager(page),
         source=source,
         sources=_sources(),
+        intakes={
+            row.id: presenters.rejection_intake(row.source, row.reason, brokers)
+            for row in page.rows
+        },
+        reasons=presenters.REJECTION_REASONS,
     )
 
 
