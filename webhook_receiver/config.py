@@ -626,12 +626,12 @@ def subject_covers(pattern: str, subject: str) -> bool:
     when all it can name is.
     """
     wanted, given = pattern.split("."), subject.split(".")
-    for n, token in enumerate(wanted):
-        if token == ">":
+    for n, part in enumerate(wanted):
+        if part == ">":
             return len(given) > n
         if n >= len(given) or given[n] == ">":
             return False
-        if token != "*" and token != given[n]:
+        if part != "*" and part != given[n]:
             return False
     return len(wanted) == len(given)
 
