@@ -64,8 +64,8 @@ class Metrics:
         # reusing an Idempotency-Key for another request (refused, not kept).
         self.conflicts = counter(
             "conflicts",
-            "Webhook deliveries reusing a stored dedup key with different content (kept "
-            "for review).",
+            "Deliveries and broker messages reusing a stored dedup key with other content "
+            "(kept for review).",
             ("source",),
         )
         self.key_reuses = counter(
