@@ -83,6 +83,15 @@ DEFAULTS: dict[str, Any] = {
     "WORKER_BACKOFF_BASE_SECONDS": 30,
     "WORKER_BACKOFF_MAX_SECONDS": 3600,
     "WORKER_RETRY_AFTER_MAX_SECONDS": 24 * 3600,
+    # Deliveries one worker process runs at once; each forward takes at most
+    # its ``concurrency`` of them (see docs/processing.md).
+    "WORKER_THREADS": 4,
+    # PostgreSQL connections (database.init_app): a statement running longer
+    # is cancelled, and answered as the database being away; 0 sets none.
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS": 30.0,
+    # A database call still running after this long logs one warning
+    # (database.stall_watch).
+    "DATABASE_STALL_WARNING_SECONDS": 5.0,
 }
 
 # A placeholder that must never reach production.
@@ -115,6 +124,9 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "WORKER_BACKOFF_BASE_SECONDS": (float, 0),
     "WORKER_BACKOFF_MAX_SECONDS": (float, 0),
     "WORKER_RETRY_AFTER_MAX_SECONDS": (float, 0),
+    "WORKER_THREADS": (int, 1),
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS": (float, 0),
+    "DATABASE_STALL_WARNING_SECONDS": (float, 0.001),
 }
 
 
@@ -234,6 +246,9 @@ class ForwardConfig:
     # None forwards every event type.
     event_types: tuple[str, ...] | None = None
     max_attempts: int | None = None
+    # Deliveries of this forward one worker process runs at once: a stalled
+    # target holds no more of the worker's threads than this.
+    concurrency: int = 1
     # amqp:// forwards publish to an exchange with a routing key ("{event_type}"
     # in it is replaced); nats:// forwards to a JetStream subject.
     exchange: str = ""
@@ -423,7 +438,7 @@ _PROVIDER_KEYS: dict[str, frozenset[str]] = {
     "cloudevents": HMAC_SCHEME_KEYS,
 }
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts"}
+_FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts", "concurrency"}
 # Keys only some forward URL schemes read.
 _SCHEME_KEYS: dict[str, frozenset[str]] = {
     "http": frozenset({"signing_secret", "signing_secrets"}),
@@ -476,6 +491,9 @@ def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
         ):
             raise ConfigError(f"{here} max_attempts must be a positive integer")
+        concurrency = table.get("concurrency", 1)
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise ConfigError(f"{here} concurrency must be a positive integer")
         if any(f.name == name for f in result):
             raise ConfigError(f"{where} two forwards are named {name!r}")
         result.append(
@@ -485,6 +503,7 @@ def _forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
                 timeout_seconds=timeout,
                 event_types=None if event_types is None else tuple(event_types),
                 max_attempts=max_attempts,
+                concurrency=concurrency,
                 **transport,
             )
         )

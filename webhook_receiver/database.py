@@ -22,7 +22,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import orjson
-from flask import Flask
+from flask import Flask, current_app, has_app_context
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -34,6 +34,20 @@ from .extensions import db
 log = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+# TCP keepalives on every PostgreSQL connection: a server (or a path to it)
+# that vanished without a FIN is noticed within about half a minute, instead
+# of a read that waits forever for an answer. Probes start after 10 s idle,
+# every 5 s, 3 unanswered ones drop the connection; data sent and not
+# acknowledged for 30 s drops it too (tcp_user_timeout, in ms).
+POSTGRESQL_KEEPALIVES: dict[str, int] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+# What stall_watch waits before it warns, outside an app (or without the setting).
+STALL_WARNING_SECONDS = 5.0
 
 
 def engine_options(uri: str, *, transaction_pooler: bool = False) -> dict[str, Any]:
@@ -157,6 +171,10 @@ def driver_errors(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
 # pooler still pointed at a demoted primary. psycopg files it under
 # InternalError, but for a writer it is the database being away.
 _READ_ONLY = "25006"
+# query_canceled: the statement timeout fired (a lock held for too long, a
+# server too slow to answer), or an operator cancelled the statement.
+_QUERY_CANCELED = "57014"
+_AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED})
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -166,19 +184,172 @@ def is_unavailable(exc: BaseException) -> bool:
     off) share. OperationalError covers refused and dropped connections, a
     server shutting down and SQLite's "database is locked" (or read-only
     file) past the busy timeout; a pool with no connection to lend within
-    its timeout is a busy database too.
+    its timeout is a busy database too. So is a statement cancelled by the
+    statement timeout (SQLSTATE 57014), whatever class the driver gives it.
     """
     if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
         return True
     if not isinstance(exc, DBAPIError):
         return False
-    return bool(exc.connection_invalidated) or getattr(exc.orig, "sqlstate", None) == _READ_ONLY
+    return (
+        bool(exc.connection_invalidated) or getattr(exc.orig, "sqlstate", None) in _AWAY_SQLSTATES
+    )
+
+
+def _postgresql_connect_params(
+    statement_timeout: float, *, transaction_pooler: bool
+) -> Callable[..., None]:
+    """A ``do_connect`` listener: keepalives and the statement timeout on each new connection.
+
+    Added to what the URL and ``connect_args`` say, never in their place: a
+    value given there (a test's ``options``, a URL's ``keepalives_idle``)
+    wins. Behind a transaction pooler no ``options`` are sent (pgbouncer
+    refuses the startup parameter); the timeout is then the role's
+    (``ALTER ROLE ... SET statement_timeout``, docs/scaling.md).
+    """
+    milliseconds = round(statement_timeout * 1000)
+
+    def on_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        for name, value in POSTGRESQL_KEEPALIVES.items():
+            cparams.setdefault(name, value)
+        if milliseconds <= 0 or transaction_pooler:
+            return
+        options = str(cparams.get("options") or "")
+        if "statement_timeout" not in options:
+            cparams["options"] = f"{options} -c statement_timeout={milliseconds}".strip()
+
+    return on_connect
+
+
+@contextmanager
+def stall_watch(what: str, after: float | None = None, **fields: Any) -> Iterator[None]:
+    """Log one warning if the block is still running after ``after`` seconds.
+
+    Wrap a database call that should be quick (a worker's claim, a broker
+    batch's store) with ``with stall_watch("claim"):``. Past ``after``
+    seconds (by default the app's ``DATABASE_STALL_WARNING_SECONDS``, else
+    5), one WARNING from ``webhook_receiver.database``, "database stalled",
+    with ``extra`` fields ``what``, ``stalled_seconds`` and ``fields``
+    (names that are not LogRecord attributes); when a block that stalled
+    ends, one INFO line with how long it took. The block's exceptions pass
+    through untouched. Costs two lock round trips when nothing stalls: one
+    watchdog thread per process times every block.
+    """
+    if after is None:
+        after = _stall_warning_seconds()
+    watch = _Watch(what, after, fields)
+    _WATCHDOG.add(watch)
+    try:
+        yield
+    finally:
+        if _WATCHDOG.remove(watch):
+            elapsed = time.monotonic() - watch.started
+            log.info(
+                "database call finished after stalling: %s took %.1f s",
+                what,
+                elapsed,
+                extra={**fields, "what": what, "stalled_seconds": round(elapsed, 3)},
+            )
+
+
+def _stall_warning_seconds() -> float:
+    if has_app_context():
+        return float(
+            current_app.config.get("DATABASE_STALL_WARNING_SECONDS", STALL_WARNING_SECONDS)
+        )
+    return STALL_WARNING_SECONDS
+
+
+class _Watch:
+    __slots__ = ("what", "fields", "started", "deadline", "stalled")
+
+    def __init__(self, what: str, after: float, fields: dict[str, Any]) -> None:
+        self.what = what
+        self.fields = fields
+        self.started = time.monotonic()
+        self.deadline = self.started + after
+        self.stalled = False
+
+
+class _Watchdog:
+    """One thread per process that times every open ``stall_watch`` block.
+
+    A thread per block (threading.Timer) would cost a thread start per claim;
+    this keeps the open blocks in a set and sleeps until the earliest
+    deadline among them.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also in a forked child, where the parent's lock may have been held
+        # by the parent's watchdog thread, which the child does not have.
+        self._changed = threading.Condition(threading.Lock())
+        self._open: set[_Watch] = set()
+        self._wake_at = float("inf")
+        self._pid = 0
+
+    def add(self, watch: _Watch) -> None:
+        with self._changed:
+            if self._pid != os.getpid():  # first use, or a forked child: no thread yet
+                self._pid = os.getpid()
+                self._wake_at = float("inf")
+                threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
+            self._open.add(watch)
+            if watch.deadline < self._wake_at:
+                self._changed.notify()
+
+    def remove(self, watch: _Watch) -> bool:
+        """Close the block's watch; tell whether it was reported stalled."""
+        with self._changed:
+            self._open.discard(watch)
+            return watch.stalled
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                now = time.monotonic()
+                due = [w for w in self._open if not w.stalled and w.deadline <= now]
+                for watch in due:
+                    watch.stalled = True
+                waiting = [w.deadline for w in self._open if not w.stalled]
+                self._wake_at = min(waiting, default=float("inf"))
+                if not due:
+                    timeout = None if not waiting else max(self._wake_at - now, 0.0)
+                    self._changed.wait(timeout)
+                    continue
+            for watch in due:  # logged outside the lock: a handler may be slow
+                elapsed = now - watch.started
+                log.warning(
+                    "database stalled: %s still running after %.1f s",
+                    watch.what,
+                    elapsed,
+                    extra={
+                        **watch.fields,
+                        "what": watch.what,
+                        "stalled_seconds": round(elapsed, 3),
+                    },
+                )
+
+
+_WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
 def init_app(app: Flask) -> None:
-    """Attach the SQLite tuning to this app's engine."""
+    """Attach the SQLite tuning, or PostgreSQL's keepalives and statement timeout, to the engine."""
     with app.app_context():
         engine: Engine = db.engine
+        if engine.dialect.name == "postgresql":
+            event.listen(
+                engine,
+                "do_connect",
+                _postgresql_connect_params(
+                    float(app.config.get("DATABASE_STATEMENT_TIMEOUT_SECONDS", 0)),
+                    transaction_pooler=bool(app.config.get("TRANSACTION_POOLER")),
+                ),
+            )
         if engine.dialect.name == "sqlite":
             event.listen(engine, "connect", _on_sqlite_connect)
             event.listen(engine, "begin", _on_sqlite_begin)

@@ -23,6 +23,7 @@ def test_forwards_and_ordering_of_a_source_are_read():
                 "url": "https://crm.example/in",
                 "event_types": ["a"],
                 "max_attempts": 3,
+                "concurrency": 2,
             },
         ],
         version="json:/data/object/version",
@@ -31,7 +32,7 @@ def test_forwards_and_ordering_of_a_source_are_read():
     assert config.forwards == {
         "shop": (
             ForwardConfig("billing", "http://127.0.0.1:9000/hooks", 2.5),
-            ForwardConfig("crm", "https://crm.example/in", 10, ("a",), 3),
+            ForwardConfig("crm", "https://crm.example/in", 10, ("a",), 3, concurrency=2),
         )
     }
     assert config.ordering == {"shop": OrderingConfig("/data/object/version", "/data/object/id")}
@@ -55,6 +56,9 @@ def test_client_forwards_apply_to_its_api_source():
         ({"name": "b", "url": "http://x/", "timeout_seconds": True}, "timeout_seconds"),
         ({"name": "b", "url": "http://x/", "max_attempts": 0}, "max_attempts"),
         ({"name": "b", "url": "http://x/", "event_types": "a"}, "event_types"),
+        ({"name": "b", "url": "http://x/", "concurrency": 0}, "concurrency"),
+        ({"name": "b", "url": "http://x/", "concurrency": True}, "concurrency"),
+        ({"name": "b", "url": "http://x/", "concurrency": 1.5}, "concurrency"),
         ({"name": "b", "url": "http://x/", "headers": {}}, "unknown key"),
     ],
 )

@@ -20,12 +20,12 @@ delivery out of them, and retention may delete their event.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, and_, exists, or_, select, update
 
 from ..database import commit_without_waiting_for_disk
 from ..extensions import db
@@ -136,6 +136,8 @@ class Claim:
     attempt: int  # this attempt's number, from 1
     token: str
     lease_expires_at: datetime
+    # The event's source: with ``consumer``, the target the claim occupies.
+    source: str | None = None
 
 
 def _claimable(now: datetime) -> ColumnElement[bool]:
@@ -161,7 +163,9 @@ def new_delivery_columns(now: datetime) -> dict[str, Any]:
     }
 
 
-def claim_next(now: datetime, lease: timedelta) -> Claim | None:
+def claim_next(
+    now: datetime, lease: timedelta, skip: Collection[tuple[str, str]] = ()
+) -> Claim | None:
     """Claim the most overdue claimable delivery (the caller commits the claim); None if none.
 
     One conditional UPDATE: on PostgreSQL its subquery locks the row with
@@ -169,11 +173,15 @@ def claim_next(now: datetime, lease: timedelta) -> Claim | None:
     rather than queueing on one; SQLite runs the statement under its single
     write lock. Either way one worker gets a row, and its fresh token fences
     off any worker whose lease on it expired.
+
+    ``skip`` names (source, consumer) targets not to claim for now: those
+    that already have as many deliveries in flight in this worker as they
+    may, so that the other targets get the free threads.
     """
     token = secrets.token_hex(16)
     pick = (
         select(_t.c.id)
-        .where(_claimable(now))
+        .where(_claimable(now), *_not_busy(skip))
         .order_by(_t.c.next_attempt_at, _t.c.id)
         .limit(1)
         .with_for_update(skip_locked=True)
@@ -191,12 +199,31 @@ def claim_next(now: datetime, lease: timedelta) -> Claim | None:
             lease_expires_at=now + lease,
             updated_at=now,
         )
-        .returning(_t.c.id, _t.c.event_id, _t.c.consumer, _t.c.kind, _t.c.attempts)
+        .returning(
+            _t.c.id,
+            _t.c.event_id,
+            _t.c.consumer,
+            _t.c.kind,
+            _t.c.attempts,
+            select(Event.source).where(Event.id == _t.c.event_id).scalar_subquery(),
+        )
     ).one_or_none()
     if row is None:
         return None
-    delivery_id, event_id, consumer, kind, attempts = row
-    return Claim(delivery_id, event_id, consumer, kind, attempts, token, now + lease)
+    delivery_id, event_id, consumer, kind, attempts, source = row
+    return Claim(delivery_id, event_id, consumer, kind, attempts, token, now + lease, source)
+
+
+def _not_busy(skip: Collection[tuple[str, str]]) -> list[ColumnElement[bool]]:
+    if not skip:
+        return []
+    # Consumer names are unique per source only: the event's source decides,
+    # looked up only for the rows whose consumer name is a busy one.
+    busy = exists().where(
+        Event.id == _t.c.event_id,
+        or_(*(and_(Event.source == source, _t.c.consumer == name) for source, name in skip)),
+    )
+    return [or_(_t.c.consumer.not_in({name for _, name in skip}), ~busy)]
 
 
 def hold(claim: Claim, now: datetime) -> bool:

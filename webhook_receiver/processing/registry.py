@@ -39,6 +39,11 @@ class Consumer:
         spec = self.handler or self.forward
         return spec.max_attempts if spec else None
 
+    @property
+    def concurrency(self) -> int:
+        """How many of its deliveries one worker process runs at once (a forward says; else 1)."""
+        return self.forward.concurrency if self.forward is not None else 1
+
     def matches(self, event_type: str | None) -> bool:
         """Tell whether this consumer wants events of this type."""
         if self.handler is not None:

@@ -11,7 +11,13 @@ or dead). A worker killed during the call leaves the delivery in progress;
 once its lease expires another worker claims it and calls again with the
 same Idempotency-Key.
 
-SIGTERM and SIGINT let the current delivery finish; then :meth:`Worker.run`
+:meth:`Worker.run` runs ``WORKER_THREADS`` deliveries at once, one per
+thread; the loop claims for a free thread, skipping the targets (a source's
+consumer) that already have their ``concurrency`` (1 unless a forward says)
+in flight here. A target that stalls holds its share of the threads, not
+all of them: the others' deliveries get the rest.
+
+SIGTERM and SIGINT let the current deliveries finish; then :meth:`Worker.run`
 returns.
 """
 
@@ -19,12 +25,15 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from types import FrameType
@@ -35,7 +44,7 @@ from flask import Flask
 from sqlalchemy import select
 
 from ..config import ConfigError
-from ..database import is_unavailable, unit_of_work
+from ..database import is_unavailable, stall_watch, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
 from . import backoff, deliveries, forwarding, ordering, publishers, registry
@@ -79,10 +88,18 @@ class Worker:
         self.backoff_base = float(config["WORKER_BACKOFF_BASE_SECONDS"])
         self.backoff_cap = float(config["WORKER_BACKOFF_MAX_SECONDS"])
         self.retry_after_cap = float(config["WORKER_RETRY_AFTER_MAX_SECONDS"])
+        self.threads = int(config["WORKER_THREADS"])
+        self.stall_after = float(config["DATABASE_STALL_WARNING_SECONDS"])
         self._check_lease()
+        # The caller's thread's session; the loop's threads open their own
+        # (requests does not promise a Session is thread-safe), unless one
+        # was handed in.
         self.http = http or requests.Session()
+        self._shared_http = http is not None
+        self._local = threading.local()
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
+        self._slots: _Slots | None = None
 
     def _check_lease(self) -> None:
         for forward in self.registry.forwards():
@@ -97,8 +114,11 @@ class Worker:
     # -- the loop -----------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the loop to return once the current delivery is done."""
+        """Ask the loop to return once the current deliveries are done."""
         self._stop.set()
+        slots = self._slots
+        if slots is not None:
+            slots.wake()
 
     @property
     def stopping(self) -> bool:
@@ -108,68 +128,85 @@ class Worker:
     def run(self, *, drain: bool = False, handle_signals: bool = True) -> int:
         """Process deliveries until stopped (or, with ``drain``, until none is due).
 
-        Returns how many deliveries were attempted.
+        Claims here, runs each claimed delivery on one of ``WORKER_THREADS``
+        threads. Returns how many deliveries were attempted.
         """
         previous = self._install_signals() if handle_signals else {}
-        done = 0
+        slots = self._slots = _Slots(self, self.threads)
         pause = self.poll_seconds
         try:
             with self.app.app_context():
                 log.info("worker %s started", self.name, extra={"worker": self.name})
-                while not self.stopping:
-                    try:
-                        outcome = self.run_once()
-                        pause = self.poll_seconds
-                    except Exception as exc:
-                        db.session.rollback()
-                        if is_unavailable(exc):
-                            # The database is away, locked or read-only (a
-                            # standby after a failover): wait, then retry.
-                            log.warning(
-                                "worker %s: database unavailable, retrying: %s",
-                                self.name,
-                                getattr(exc, "orig", None) or exc,
-                                extra={"worker": self.name, "outage": "database"},
-                            )
+                slots.start()
+                try:
+                    while slots.wait_for_a_free_thread(self._stop):
+                        try:
+                            claim = self._claim(slots.busy())
+                            pause = self.poll_seconds
+                        except Exception as exc:
+                            db.session.rollback()
+                            self._log_failure(exc)
+                            self._stop.wait(pause)
+                            pause = min(pause * 2, 30.0)
+                            continue
+                        if claim is not None:
+                            slots.submit(claim)
+                        elif drain and slots.idle():
+                            break
                         else:
-                            # A bug must not stop every worker in turn: the
-                            # claimed delivery stays in progress, is claimed
-                            # again when its lease ends (counting an attempt)
-                            # and goes dead at the attempt limit.
-                            log.exception("worker %s: unexpected error", self.name)
-                        self._stop.wait(pause)
-                        pause = min(pause * 2, 30.0)
-                        continue
-                    if outcome is not None:
-                        done += 1
-                    elif drain:
-                        break
-                    else:
-                        self._stop.wait(self.poll_seconds)
+                            # Nothing due, or only for busy targets: wait for
+                            # a thread to finish, at most one poll.
+                            slots.wait_for_a_change(self.poll_seconds)
+                finally:
+                    slots.close()  # the deliveries in hand finish first
                 log.info("worker %s stopped", self.name, extra={"worker": self.name})
         finally:
+            self._slots = None
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self.http.close()
             publishers.close_thread_connections()
-        return done
+        return slots.done
+
+    def _log_failure(self, exc: Exception) -> None:
+        if is_unavailable(exc):
+            # The database is away, locked, read-only (a standby after a
+            # failover) or too slow (the statement timeout): wait, then retry.
+            log.warning(
+                "worker %s: database unavailable, retrying: %s",
+                self.name,
+                getattr(exc, "orig", None) or exc,
+                extra={"worker": self.name, "outage": "database"},
+            )
+        else:
+            # A bug must not stop every worker in turn: the claimed delivery
+            # stays in progress, is claimed again when its lease ends
+            # (counting an attempt) and goes dead at the attempt limit.
+            log.exception("worker %s: unexpected error", self.name)
 
     def _install_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("worker %s: signal %s, finishing the current delivery", self.name, signum)
-            self._stop.set()
+            log.info("worker %s: signal %s, finishing the current deliveries", self.name, signum)
+            self.stop()
 
         return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def run_once(self) -> AttemptOutcome | None:
         """Claim and process one due delivery; None when none is due. Needs an app context."""
-        with unit_of_work():
-            claim = deliveries.claim_next(self.clock(), self.lease)
+        claim = self._claim()
         if claim is None:
             return None
+        return self.attempt(claim)
+
+    def _claim(self, skip: Collection[tuple[str, str]] = ()) -> Claim | None:
+        with self._watch("worker claim"), unit_of_work():
+            return deliveries.claim_next(self.clock(), self.lease, skip)
+
+    def attempt(self, claim: Claim) -> AttemptOutcome:
+        """Process a claimed delivery, then log and report its outcome. Needs an app context."""
         started = time.monotonic()
         try:
             outcome = self.process(claim)
@@ -180,22 +217,45 @@ class Worker:
         self.report(outcome)
         return outcome
 
+    def limit_of(self, source: str, consumer: str) -> int:
+        """How many deliveries of this target this process may run at once."""
+        found = self.registry.find(source, consumer)
+        return found.concurrency if found is not None else 1
+
+    def _watch(self, what: str) -> AbstractContextManager[None]:
+        return stall_watch(what, self.stall_after, worker=self.name)
+
+    def _session(self) -> requests.Session:
+        return getattr(self._local, "http", None) or self.http
+
+    def _open_thread(self) -> None:
+        if not self._shared_http:
+            self._local.http = requests.Session()
+
+    def _close_thread(self) -> None:
+        http = getattr(self._local, "http", None)
+        if http is not None:
+            http.close()
+            self._local.http = None
+        publishers.close_thread_connections()
+
     # -- one delivery ---------------------------------------------------------
 
     def process(self, claim: Claim) -> AttemptOutcome:
         """Run one claimed delivery to its next state."""
-        event = db.session.execute(
-            select(
-                Event.source,
-                Event.dedup_key,
-                Event.event_type,
-                Event.content_type,
-                Event.body,
-                Event.correlation_id,
-            ).where(Event.id == claim.event_id)
-        ).one_or_none()
-        # End the read, so that the next transaction opens with its write.
-        db.session.rollback()
+        with self._watch("worker event read"):
+            event = db.session.execute(
+                select(
+                    Event.source,
+                    Event.dedup_key,
+                    Event.event_type,
+                    Event.content_type,
+                    Event.body,
+                    Event.correlation_id,
+                ).where(Event.id == claim.event_id)
+            ).one_or_none()
+            # End the read, so that the next transaction opens with its write.
+            db.session.rollback()
         if event is None:
             # Purged since the claim; its deliveries went with it.
             gone = _Snapshot(None, None, None, None, b"", None)
@@ -268,7 +328,7 @@ class Worker:
     ) -> AttemptOutcome:
         assert consumer.forward is not None
         if key is not None:
-            with unit_of_work():
+            with self._watch("worker ordering check"), unit_of_work():
                 skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
             if skipped:
                 return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
@@ -281,7 +341,7 @@ class Worker:
             body=snap.body,
             correlation_id=snap.correlation_id,
         )
-        result = forwarding.send(self.http, consumer.name, consumer.forward, out)
+        result = forwarding.send(self._session(), consumer.name, consumer.forward, out)
         if not result.ok:
             return self._fail(
                 claim,
@@ -293,7 +353,7 @@ class Worker:
                 permanent=not result.retryable,
             )
         now = self.clock()
-        with unit_of_work():
+        with self._watch("worker outcome"), unit_of_work():
             if not deliveries.mark_delivered(claim, now, result.status):
                 return self._outcome(claim, snap, LEASE_LOST, status=result.status)
             if key is not None:
@@ -327,7 +387,7 @@ class Worker:
             rand=self.rand,
         )
         next_at = now + timedelta(seconds=delay)
-        with unit_of_work():
+        with self._watch("worker outcome"), unit_of_work():
             marked = deliveries.mark_retry(claim, now, next_at, error, status)
         if not marked:
             return self._outcome(claim, snap, LEASE_LOST, status=status, error=error)
@@ -338,7 +398,7 @@ class Worker:
     def _give_up(
         self, claim: Claim, snap: _Snapshot, error: str, status: int | None
     ) -> AttemptOutcome:
-        with unit_of_work():
+        with self._watch("worker outcome"), unit_of_work():
             marked = deliveries.mark_dead(claim, self.clock(), error, status)
         return self._outcome(
             claim, snap, DEAD if marked else LEASE_LOST, status=status, error=error
@@ -383,3 +443,99 @@ class Worker:
 
 class _LeaseLost(Exception):
     """The lease was taken over while the handler ran: its writes must not commit."""
+
+
+class _Slots:
+    """The worker's delivery threads, and how many deliveries each target has on them."""
+
+    def __init__(self, worker: Worker, size: int) -> None:
+        self.worker = worker
+        self.size = size
+        self.done = 0
+        # Reentrant: Worker.stop wakes the loop from a signal handler, which
+        # may interrupt the loop's thread while it holds the lock.
+        self._changed = threading.Condition(threading.RLock())
+        self._free = size
+        self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._claims: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"delivery-{n}", daemon=True)
+            for n in range(size)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        """Let each thread finish its delivery, then end it."""
+        for _ in self._threads:
+            self._claims.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for_a_free_thread(self, stop: threading.Event) -> bool:
+        """Wait until a thread is free; False once ``stop`` is set."""
+        with self._changed:
+            while self._free == 0 and not stop.is_set():
+                self._changed.wait(1.0)
+            return not stop.is_set()
+
+    def wait_for_a_change(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def idle(self) -> bool:
+        with self._changed:
+            return self._free == self.size
+
+    def busy(self) -> list[tuple[str, str]]:
+        """The targets with as many deliveries in flight as they may have."""
+        with self._changed:
+            return [
+                target
+                for target, count in self._in_flight.items()
+                if count >= self.worker.limit_of(*target)
+            ]
+
+    def submit(self, claim: Claim) -> None:
+        with self._changed:
+            self._in_flight[_target(claim)] += 1
+            self._free -= 1
+        self._claims.put(claim)
+
+    def _serve(self) -> None:
+        worker = self.worker
+        with worker.app.app_context():
+            worker._open_thread()
+            try:
+                while (claim := self._claims.get()) is not None:
+                    try:
+                        worker.attempt(claim)
+                        with self._changed:
+                            self.done += 1
+                    except Exception as exc:
+                        worker._log_failure(exc)
+                    finally:
+                        self._release(claim)
+            finally:
+                worker._close_thread()
+                db.session.remove()
+
+    def _release(self, claim: Claim) -> None:
+        with self._changed:
+            target = _target(claim)
+            self._in_flight[target] -= 1
+            if self._in_flight[target] <= 0:
+                del self._in_flight[target]
+            self._free += 1
+            self._changed.notify_all()
+
+
+def _target(claim: Claim) -> tuple[str, str]:
+    return (claim.source or "", claim.consumer)
