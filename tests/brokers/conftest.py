@@ -24,7 +24,7 @@ import nats
 import pika
 import pytest
 from flask import Flask
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from sqlalchemy import func, select
 
 from webhook_receiver.brokers import runner
@@ -226,6 +226,18 @@ class Stream:
             return info.delivered.consumer_seq
 
         return self.run(go)
+
+    def short_ack_wait(self, durable: str = "webhook-receiver") -> None:
+        """Create the durable consumer with a 2 s ack wait, before any consumer process does.
+
+        A killed consumer's messages then come back after 2 s rather than 30.
+        """
+
+        async def go(nc: Any) -> None:
+            config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=2)
+            await nc.jetstream().add_consumer(self.name, config)
+
+        self.run(go)
 
     def add_stream(self, suffix: str, subject: str) -> str:
         """Create one more stream (``<name>_<suffix>``) on ``subject``, deleted with the others."""

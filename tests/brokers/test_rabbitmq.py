@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,21 +35,6 @@ def _message(n: int, **props):
         "content_type": "application/json",
         **props,
     }
-
-
-def test_thousand_messages_with_redeliveries_stored_once_and_acked(make_app, amqp_queue):
-    app = _app(make_app, amqp_queue, prefetch=100)
-    messages = [_message(n) for n in range(1000)]
-    again = random.Random(11).sample(messages, 300)
-    stream = messages + again
-    random.Random(12).shuffle(stream)
-    amqp_queue.publish(stream)
-    with consuming(app, SOURCE):
-        assert wait_until(lambda: count_events(app) == 1000 and amqp_queue.ready() == 0, 60)
-        assert wait_until(lambda: duplicate_total(app) == 300, 30)
-    assert sorted(stored_keys(app)) == sorted(f"msg-{n}" for n in range(1000))
-    assert amqp_queue.ready() == 0
-    assert amqp_queue.ready(amqp_queue.dead) == 0
 
 
 def test_conflicting_message_kept_and_dead_lettered_unchanged(make_app, amqp_queue):
@@ -125,21 +109,6 @@ def test_an_event_stored_under_its_content_fingerprint_takes_its_redelivery(make
         assert wait_until(lambda: duplicate_total(app) == 1 and amqp_queue.ready() == 0, 30)
     assert (count_events(app), count_conflicts(app)) == (1, 0)
     assert amqp_queue.ready(amqp_queue.dead) == 0
-
-
-def test_message_without_key_dead_lettered_and_not_stored(make_app, amqp_queue):
-    app = _app(make_app, amqp_queue)
-    keyless = (b'{"order": 7}', {"type": "order.created", "content_type": "application/json"})
-    amqp_queue.publish([keyless, _message(8)])
-    with consuming(app, SOURCE):
-        assert wait_until(lambda: amqp_queue.ready(amqp_queue.dead) == 1, 30)
-        assert wait_until(lambda: count_events(app) == 1, 30)
-    assert stored_keys(app) == ["msg-8"]
-    [(props, body)] = amqp_queue.take_all(amqp_queue.dead)
-    assert body == b'{"order": 7}'
-    assert props.headers["x-death"][0]["reason"] == "rejected"
-    assert amqp_queue.ready() == 0
-    assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .. import inbox, rejections
 from ..config import BrokerSourceConfig
-from ..database import is_unavailable
+from ..database import is_unavailable, stall_watch
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome, duplicates
 from ..observability import metrics
 from .identify import CONSUMER_ERROR, Delivery, Unidentified, content_fingerprint, identify
@@ -115,7 +115,10 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
     compare = content_fingerprint(source)
     outcomes: Sequence[Outcome | Verdict]
     try:
-        outcomes = inbox.receive_many(messages, content_fingerprint=compare)
+        # A stalled database is said once, past a few seconds; the statement
+        # timeout then ends the wait as an outage.
+        with stall_watch("broker batch store", source=source.name):
+            outcomes = inbox.receive_many(messages, content_fingerprint=compare)
     except Exception as exc:
         _raise_if_unavailable(exc)
         # One message the database (or a bug) refuses must not hold back the

@@ -50,11 +50,17 @@ def sources_to_consume(file_config: FileConfig, names: Sequence[str]) -> list[Br
     return [file_config.brokers[n] for n in dict.fromkeys(names)]
 
 
+# One adapter per broker, by the provider name its sources give (docs/brokers.md,
+# "Adding a broker").
+ADAPTERS: dict[str, type[RabbitConsumer | JetStreamConsumer]] = {
+    "rabbitmq": RabbitConsumer,
+    "nats": JetStreamConsumer,
+}
+
+
 def consumer_for(app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> Consumer:
     """The consumer of one broker source."""
-    if source.provider == "rabbitmq":
-        return RabbitConsumer(app, source, stop)
-    return JetStreamConsumer(app, source, stop)
+    return ADAPTERS[source.provider](app, source, stop)
 
 
 def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:

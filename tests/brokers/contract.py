@@ -1,0 +1,224 @@
+"""Each broker as the contract suite sees it: one small class per broker, the same methods.
+
+tests/brokers/test_contract.py holds every broker adapter to the same
+promises through these classes. Adding a broker is a class here and a line
+in ``BROKERS``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import pytest
+
+from .conftest import Queue, Stream, nats_source, rabbit_source
+
+
+class Message(NamedTuple):
+    """A message as a producer sends it: its key (None: sent without one), body and type."""
+
+    key: str | None
+    body: bytes
+    type: str = "order"
+
+
+def numbered(n: int, total: int | None = None) -> Message:
+    """The n-th message of a stream, its key ``m-<n>``."""
+    body = json.dumps({"n": n, "total": n if total is None else total}).encode()
+    return Message(f"m-{n}", body)
+
+
+class DeadLetter(NamedTuple):
+    """A dead-lettered message: its key and body as sent, and the reason if the broker keeps one."""
+
+    key: str | None
+    body: bytes
+    reason: str | None
+
+
+class BrokerUnderTest:
+    """What the contract suite needs of a broker; each subclass speaks one broker's idioms."""
+
+    name: str
+    # Messages the consumer may hold unacknowledged beyond one batch (read ahead).
+    batches_held: int
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        """A source table consuming this broker, ``batch`` messages at a time."""
+        raise NotImplementedError
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        """Publish each message, waiting for the broker to take it."""
+        raise NotImplementedError
+
+    def publish_malformed(self) -> None:
+        """Publish one message whose key is not UTF-8 text (never decoded with replacements)."""
+        raise NotImplementedError
+
+    def expect_consumer_kill(self) -> None:
+        """Before a consumer is killed: its unacknowledged messages come back within seconds."""
+
+    def taken(self) -> int:
+        """Messages delivered to a consumer so far, acknowledged or not."""
+        raise NotImplementedError
+
+    def unsettled(self) -> int:
+        """Messages the broker holds that no consumer has acknowledged (an upper bound)."""
+        raise NotImplementedError
+
+    def left_after_stop(self) -> int:
+        """With the consumer stopped cleanly: the messages it left to the broker, unacknowledged."""
+        raise NotImplementedError
+
+    def drained(self) -> bool:
+        """Nothing left to deliver, nothing delivered and unacknowledged."""
+        raise NotImplementedError
+
+    def dead_letters(self) -> list[DeadLetter]:
+        """Every dead-lettered message (read once, at a test's end)."""
+        raise NotImplementedError
+
+
+class RabbitMQ(BrokerUnderTest):
+    """A queue with its dead-letter exchange and queue; keys in the message_id property."""
+
+    name = "rabbitmq"
+    batches_held = 3  # one storing, one prepared, one arriving
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+        self.batch = 0
+        self.published = 0
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        self.batch = batch
+        return rabbit_source(self.queue, prefetch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.queue.publish([(m.body, self._properties(m.key, m.type)) for m in messages])
+        self.published += len(messages)
+
+    def publish_malformed(self) -> None:
+        self.queue.publish([(b'{"n": -1}', self._properties(b"m-\xff", "order"))])
+
+    @staticmethod
+    def _properties(key: str | bytes | None, type_: str) -> dict[str, Any]:
+        props: dict[str, Any] = {"type": type_, "content_type": "application/json"}
+        if key is not None:
+            props["message_id"] = key
+        return props
+
+    def taken(self) -> int:
+        return self.published - self.queue.ready()
+
+    def unsettled(self) -> int:
+        # A queue tells its ready messages only: add what a consumer may hold unacked.
+        return self.queue.ready() + self.batches_held * self.batch
+
+    def left_after_stop(self) -> int:
+        # With its consumer gone, what it held unacked is ready again.
+        return self.queue.ready()
+
+    def drained(self) -> bool:
+        return self.queue.ready() == 0
+
+    def dead_letters(self) -> list[DeadLetter]:
+        # The dead-letter exchange gets each message unchanged (its reason is in the log).
+        return [
+            DeadLetter(props.message_id, body, None)
+            for props, body in self.queue.take_all(self.queue.dead)
+        ]
+
+
+KEY_HEADER = "Message-Key"
+
+
+class NatsJetStream(BrokerUnderTest):
+    """A stream and its dead-letter stream; keys in a header (not Nats-Msg-Id, which
+    JetStream's own duplicate window would drop at publish)."""
+
+    name = "nats"
+    batches_held = 2  # one storing, one fetched
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        return nats_source(self.stream, batch=batch, dedup_key=f"header:{KEY_HEADER}", **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.stream.publish([(m.type, m.body, self._headers(m.key)) for m in messages])
+
+    @staticmethod
+    def _headers(key: str | None) -> dict[str, str]:
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex, "Content-Type": "application/json"}
+        if key is not None:
+            headers[KEY_HEADER] = key
+        return headers
+
+    def publish_malformed(self) -> None:
+        publish_raw(
+            self.stream.url,
+            f"{self.stream.prefix}.order".encode(),
+            [(KEY_HEADER.encode(), b"m-\xff")],
+            b'{"n": -1}',
+        )
+
+    def expect_consumer_kill(self) -> None:
+        self.stream.short_ack_wait()
+
+    def taken(self) -> int:
+        return self.stream.delivered()
+
+    def unsettled(self) -> int:
+        pending, ack_pending = self.stream.pending()
+        return pending + ack_pending
+
+    def left_after_stop(self) -> int:
+        pending, ack_pending = self.stream.pending()
+        assert ack_pending == 0  # what it fetched, it settled before it stopped
+        return pending
+
+    def drained(self) -> bool:
+        return self.stream.pending() == (0, 0)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [
+            DeadLetter(headers.get(KEY_HEADER), data, headers.get("Dead-Letter-Reason"))
+            for data, headers in self.stream.dead_letters()
+        ]
+
+
+def publish_raw(url: str, subject: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """Publish one message over the NATS wire protocol, bytes as given (nats-py would refuse)."""
+    host, port = url.removeprefix("nats://").split(":")
+    block = b"NATS/1.0\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in headers) + b"\r\n"
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        reader = sock.makefile("rb")
+        assert reader.readline().startswith(b"INFO ")
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n')
+        sock.sendall(
+            b"HPUB %s %d %d\r\n%s%s\r\nPING\r\n"
+            % (subject, len(block), len(block) + len(body), block, body)
+        )
+        line = reader.readline()
+        assert line == b"PONG\r\n", line
+
+
+# Every broker the contract suite runs against: (its name, the fixture it is built on, its class).
+BROKERS: list[tuple[str, str, type[BrokerUnderTest]]] = [
+    ("rabbitmq", "amqp_queue", RabbitMQ),
+    ("nats", "jetstream", NatsJetStream),
+]
+
+
+def broker_under_test(request: pytest.FixtureRequest) -> BrokerUnderTest:
+    """The broker a contract test is parametrised with, on its own fresh queue or stream."""
+    for name, fixture, cls in BROKERS:
+        if name == request.param:
+            return cls(request.getfixturevalue(fixture))  # type: ignore[call-arg]
+    raise LookupError(request.param)
