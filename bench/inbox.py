@@ -82,7 +82,7 @@ def _messages(n: int) -> list[Any]:
 
 def _bare(app: Any) -> Callable[[list[Any]], None]:
     from webhook_receiver.extensions import db
-    from webhook_receiver.inbox.store import event_values
+    from webhook_receiver.inbox.rows import event_values
     from webhook_receiver.models import Event
 
     def run(messages: list[Any]) -> None:

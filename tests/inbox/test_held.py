@@ -26,7 +26,7 @@ from webhook_receiver.api.auth import require_client
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.idempotency import idempotent, records
-from webhook_receiver.inbox import store
+from webhook_receiver.inbox import in_transaction
 from webhook_receiver.models import Delivery, Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 
@@ -165,7 +165,7 @@ def test_reserved_ids_are_taken_afresh_in_another_process(make_app, monkeypatch)
             monkeypatch.setattr(os, "getpid", lambda: -1)
             second = inbox.add(message("k2"))
         assert first is not None and second is not None
-        assert second - first >= store._IDS_PER_BLOCK
+        assert second - first >= in_transaction._IDS_PER_BLOCK
 
 
 # -- through the decorator: a view that writes more than its one event --------

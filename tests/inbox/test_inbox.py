@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import database, inbox
 from webhook_receiver.extensions import db
-from webhook_receiver.inbox import statements, store
+from webhook_receiver.inbox import logs, statements
 from webhook_receiver.inbox.driver import DriverStatement, FastPathError
 from webhook_receiver.models import Delivery, Event, EventConflict
 
@@ -555,7 +555,7 @@ def test_a_batch_names_each_message_at_info_and_logs_conflicts_whatever_the_leve
 
 def test_a_large_batch_is_logged_in_lines_of_a_few_kilobytes_per_source(make_app, caplog):
     app = make_app(_config(forwards=False))
-    per_line = store.LOGGED_PER_LINE
+    per_line = logs.LOGGED_PER_LINE
     shop = [message(f"s{i}", correlation_id=None) for i in range(per_line * 2 + 3)]
     other = [message("o1", source="other"), message("o2", source="other")]
     with app.app_context(), caplog.at_level(logging.INFO, logger="webhook_receiver.inbox"):

@@ -23,24 +23,23 @@ from flask import Flask
 from sqlalchemy.orm import Session
 
 from . import duplicates
+from .batch import receive_many
+from .batch_writes import ContentFingerprint
 from .driver import FastPathError
-from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
-from .store import (
-    EXTENSION,
-    ContentFingerprint,
+from .in_transaction import (
     HeldEvent,
     ReservedIdTaken,
-    Routes,
     add,
     check_reserved_id,
     forget_reserved_ids,
     holding,
     init_held,
     receipt_binds,
-    receive,
-    receive_many,
     write_held,
 )
+from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
+from .one import receive
+from .rows import EXTENSION, Routes
 
 __all__ = [
     "Accepted",

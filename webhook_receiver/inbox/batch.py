@@ -1,0 +1,268 @@
+"""Storing a batch in one transaction (``receive_many``): its transactions, outcomes and conflicts.
+
+The writes themselves, one writer per path, are in batch_writes.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+from sqlalchemy.engine import Connection, Engine
+
+from ..database import transaction
+from ..extensions import db
+from ..models import utcnow
+from . import duplicates
+from .batch_writes import (
+    Batch,
+    ContentFingerprint,
+    NotSequential,
+    Writer,
+    find_taken_sqlite,
+    write_core,
+    write_postgresql,
+    write_postgresql_in_transaction,
+    write_sqlite,
+)
+from .driver import driver_cursor
+from .logs import log, log_batch, log_outcome
+from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
+from .rows import EventUnderKey, event_values, keep_conflicts
+from .statements import Statements, for_engine
+
+
+def receive_many(
+    messages: Sequence[Message],
+    *,
+    all_or_nothing: bool = False,
+    fast: bool = True,
+    content_fingerprint: ContentFingerprint | None = None,
+) -> list[Outcome]:
+    """Store a batch in one transaction, committed before this returns; an outcome per message.
+
+    New events are one multi-row ``INSERT ... ON CONFLICT DO NOTHING
+    RETURNING`` and their deliveries one more INSERT; on PostgreSQL both,
+    with the read of the keys already taken, are one statement, which is
+    then the whole transaction (conflicts are compared and kept in a second one). A key
+    repeated inside the batch is settled against its first occurrence.
+    Raises the database's error when it is away or locked: nothing was
+    committed, or on PostgreSQL only the new events, when keeping a
+    conflict failed after them (sent again, they are duplicates, and the
+    conflict is found again).
+
+    ``all_or_nothing``: a batch with a conflict stores none of its events;
+    the conflicts with stored events are kept for review all the same, and
+    BatchRefused says which. ``fast=False`` takes the plain Core statements
+    instead of PostgreSQL's one statement (the contract tests compare them).
+
+    ``content_fingerprint``: the messages' fingerprints cover their bytes as
+    sent (cheap: nothing parsed), and a message whose fingerprint differs
+    from its key's event is compared again by this fingerprint of the
+    content (canonical JSON, say), computed for both; the same, it is a
+    duplicate. A conflict is then kept under its content fingerprint.
+    """
+    if not messages:
+        return []
+    engine = db.engine
+    statements = for_engine(engine)
+    now = utcnow()
+    first: dict[tuple[str, str], int] = {}
+    for index, message in enumerate(messages):
+        first.setdefault((message.source, message.dedup_key), index)
+    rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
+    batch = Batch(messages, first, rows, now, content_fingerprint)
+    try:
+        outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
+    except _Refused as refused:
+        outcomes, new_ids, conflicts = refused.args
+        # Only a conflict with an event stored before the batch can be kept:
+        # the batch's own events were rolled back.
+        kept = [(m, event_id) for m, event_id in conflicts if event_id not in new_ids.values()]
+        with transaction(engine) as conn:
+            keep_conflicts(conn, statements, kept, now)
+        for message, event_id in kept:
+            log_outcome(message, Conflict(event_id))
+        raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
+    redeliveries = []
+    for message, outcome in zip(messages, outcomes, strict=True):
+        if isinstance(outcome, Duplicate):
+            redeliveries.append(duplicates.Redelivery(outcome.event_id, message.received_at or now))
+        elif isinstance(outcome, Conflict):
+            log_outcome(message, outcome)  # an ERROR line of its own, whatever the level
+    duplicates.record_many(redeliveries)
+    if log.isEnabledFor(logging.INFO):
+        log_batch(messages, outcomes)
+    return outcomes
+
+
+class _Refused(Exception):
+    """Roll an all-or-nothing batch back; carries its outcomes, new ids and conflicts."""
+
+
+# Per engine, the sources whose last batch found every key taken: a run of
+# redeliveries (a consumer's unacknowledged batches after a crash, a
+# producer's retries). On SQLite their next batch's keys are read first.
+_ALL_TAKEN: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _store_batch(
+    engine: Engine, statements: Statements, batch: Batch, all_or_nothing: bool, fast: bool
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    if fast and statements.dialect_name == "sqlite" and not all_or_nothing:
+        return _store_batch_sqlite(engine, statements, batch)
+    postgresql = fast and statements.dialect_name == "postgresql"
+    if postgresql and not all_or_nothing:
+        # The new events and their deliveries are one statement, its own
+        # transaction: one round trip where BEGIN, the statement and COMMIT
+        # were three, each a wait for a consumer's storing thread to get the
+        # GIL back.
+        with driver_cursor(engine) as cursor:
+            new_ids, stored = write_postgresql(cursor, statements, batch)
+        outcomes, conflicts = _settle_batch(batch, new_ids, stored)
+        conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
+        return outcomes, new_ids, conflicts
+    write: Writer = (
+        write_postgresql_in_transaction if postgresql else write_sqlite if fast else write_core
+    )
+    return _store_in_transaction(engine, statements, batch, all_or_nothing, write)
+
+
+def _store_batch_sqlite(
+    engine: Engine, statements: Statements, batch: Batch
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    """SQLite: the batch's transaction; after a batch of redeliveries only, a read first.
+
+    A batch whose keys are all taken writes no event: read outside any
+    transaction, it needs no turn at the database's write lock (a webhook,
+    the redeliveries' ledger or another consumer may hold it), nor the rows'
+    parameters and INSERT it would skip. Only after such a batch, so that
+    new events never pay for the read; a key found free sends the batch to
+    its transaction all the same.
+    """
+    source = batch.messages[0].source
+    runs = _ALL_TAKEN.setdefault(engine, set())
+    if source in runs:
+        with driver_cursor(engine) as cursor:
+            stored = find_taken_sqlite(cursor, statements, list(batch.first))
+        if len(stored) == len(batch.first):
+            outcomes, conflicts = _settle_batch(batch, {}, stored)
+            conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
+            return outcomes, {}, conflicts
+    settled = _store_in_transaction(engine, statements, batch, False, write_sqlite)
+    if settled[1]:
+        runs.discard(source)
+    else:
+        runs.add(source)
+    return settled
+
+
+def _keep_conflicts_after(
+    engine: Engine,
+    statements: Statements,
+    batch: Batch,
+    outcomes: list[Outcome],
+    conflicts: list[tuple[Message, int]],
+) -> list[tuple[Message, int]]:
+    """Compare and keep a batch's conflicts in a transaction of their own, after its events'.
+
+    Should this fail, receive_many raises before any message is settled,
+    and the redelivery finds the same conflict again.
+    """
+    if conflicts:
+        with transaction(engine) as conn:
+            conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
+            keep_conflicts(conn, statements, conflicts, batch.now)
+    return conflicts
+
+
+def _store_in_transaction(
+    engine: Engine, statements: Statements, batch: Batch, all_or_nothing: bool, write: Writer
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    try:
+        return _one_transaction(engine, statements, batch, all_or_nothing, write)
+    except NotSequential:
+        # Rolled back: SQLite's rowids reached their largest (2**63 - 1) and
+        # it picks new ones at random; Core's RETURNING reads them instead.
+        return _one_transaction(engine, statements, batch, all_or_nothing, write_core)
+
+
+def _one_transaction(
+    engine: Engine, statements: Statements, batch: Batch, all_or_nothing: bool, write: Writer
+) -> tuple[list[Outcome], dict[tuple[str, str], int], list[tuple[Message, int]]]:
+    with transaction(engine) as conn:
+        new_ids, stored = write(conn, statements, batch)
+        outcomes, conflicts = _settle_batch(batch, new_ids, stored)
+        if conflicts:
+            conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
+        if conflicts and all_or_nothing:
+            raise _Refused(outcomes, new_ids, conflicts)
+        keep_conflicts(conn, statements, conflicts, batch.now)
+    return outcomes, new_ids, conflicts
+
+
+def _settle_batch(
+    batch: Batch,
+    new_ids: dict[tuple[str, str], int],
+    stored: dict[tuple[str, str], EventUnderKey],
+) -> tuple[list[Outcome], list[tuple[Message, int]]]:
+    """Each message's outcome, and the conflicts to keep, from what the writes found."""
+    messages, first = batch.messages, batch.first
+    outcomes: list[Outcome] = []
+    conflicts: list[tuple[Message, int]] = []
+    for index, message in enumerate(messages):
+        key = (message.source, message.dedup_key)
+        if key in new_ids:
+            event_id = new_ids[key]
+            if first[key] == index:
+                outcomes.append(Accepted(event_id))
+                continue
+            reference = EventUnderKey(event_id, messages[first[key]].fingerprint)
+        else:
+            reference = stored[key]
+        if reference.fingerprint == message.fingerprint:
+            outcomes.append(Duplicate(reference.id))
+        else:
+            outcomes.append(Conflict(reference.id))
+            conflicts.append((message, reference.id))
+    return outcomes, conflicts
+
+
+def _compare_contents(
+    conn: Connection,
+    statements: Statements,
+    batch: Batch,
+    outcomes: list[Outcome],
+    conflicts: list[tuple[Message, int]],
+) -> list[tuple[Message, int]]:
+    """The conflicts whose content differs too; the others become duplicates in ``outcomes``.
+
+    Only for a batch with a content fingerprint: its messages' fingerprints
+    cover their bytes, so other bytes (JSON serialised again, say) need not
+    be other content. The events' contents are read in one statement, this
+    batch's new events' included (they are visible in its transaction, or
+    committed). A conflict is kept under its content's fingerprint, so that
+    its copies, however serialised, are one conflict.
+    """
+    content_fingerprint = batch.content_fingerprint
+    if content_fingerprint is None:
+        return conflicts
+    ids = sorted({event_id for _, event_id in conflicts})
+    stored = {
+        event_id: content_fingerprint(body, event_type, content_type)
+        for event_id, body, event_type, content_type in conn.execute(
+            statements.find_contents, {"b_ids": ids}
+        )
+    }
+    at = [index for index, outcome in enumerate(outcomes) if type(outcome) is Conflict]
+    kept = []
+    for index, (message, event_id) in zip(at, conflicts, strict=True):
+        own = content_fingerprint(message.body, message.event_type, message.content_type)
+        # An event purged since the write is not found: a conflict still, whose
+        # record then fails, and the batch is stored again one message at a time.
+        if own == stored.get(event_id):
+            outcomes[index] = Duplicate(event_id)
+        else:
+            kept.append((message._replace(fingerprint=own), event_id))
+    return kept

@@ -1,0 +1,179 @@
+"""A batch's writes inside its transaction, one writer per path (Core, SQLite, PostgreSQL)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+import orjson
+from sqlalchemy.engine import Connection
+
+from ..processing.deliveries import new_delivery_columns
+from .driver import transaction_cursor
+from .messages import Message
+from .rows import EventUnderKey, current_routes, delivery_rows
+from .statements import Statements
+
+# (body, event type, content type) -> the fingerprint of that content, for
+# an intake whose messages' fingerprints cover their bytes (see receive_many).
+ContentFingerprint = Callable[[bytes, str | None, str | None], str]
+
+
+class Batch(NamedTuple):
+    """A batch as its writers take it."""
+
+    messages: Sequence[Message]
+    # Each key's first message, by index: a key repeated in the batch is
+    # settled against it.
+    first: dict[tuple[str, str], int]
+    # The events row of each key, in ``first``'s order.
+    rows: list[dict[str, Any]]
+    now: datetime
+    content_fingerprint: ContentFingerprint | None
+
+
+# What a batch's writes found: the new events' ids, and the events already
+# under the other keys, by (source, dedup key).
+Written = tuple[dict[tuple[str, str], int], dict[tuple[str, str], EventUnderKey]]
+# A batch's writes inside its transaction, on one path.
+Writer = Callable[[Connection, Statements, Batch], Written]
+
+
+class NotSequential(Exception):
+    """SQLite gave a batch's new rows ids other than the next ones (only past 2**63 - 1)."""
+
+
+def write_core(conn: Connection, statements: Statements, batch: Batch) -> Written:
+    """The plain Core path: insert the events, read the taken keys, insert the deliveries."""
+    inserted = conn.execute(statements.insert_events, batch.rows).all()
+    new_ids = {(source, key): event_id for event_id, source, key in inserted}
+    taken = [key for key in batch.first if key not in new_ids]
+    stored: dict[tuple[str, str], EventUnderKey] = {}
+    if taken:
+        found = conn.execute(statements.find_many, {"b_keys": taken})
+        for event_id, source, key, print_ in found:
+            stored[(source, key)] = EventUnderKey(event_id, print_)
+    _insert_batch_deliveries(conn, statements, batch, new_ids)
+    return new_ids, stored
+
+
+def write_sqlite(conn: Connection, statements: Statements, batch: Batch) -> Written:
+    """SQLite: the Core path's writes, the events and the read on the driver (SqliteBatch)."""
+    sql = statements.sqlite_batch
+    rows = batch.rows
+    new_ids: dict[tuple[str, str], int] = {}
+    stored: dict[tuple[str, str], EventUnderKey] = {}
+    with transaction_cursor(conn) as cursor:
+        first_id, last_id, inserted = 0, 0, 0
+        for start in range(0, len(rows), sql.chunk):
+            chunk = rows[start : start + sql.chunk]
+            cursor.execute(sql.insert_sql(len(chunk)), sql.params(chunk))
+            if cursor.rowcount > 0:
+                # This statement's new rows: ids last_insert_rowid() - changes() + 1 on.
+                first_id = first_id or cursor.lastrowid - cursor.rowcount + 1
+                last_id = cursor.lastrowid
+                inserted += cursor.rowcount
+        if inserted:
+            cursor.execute(sql.new_sql, (first_id, last_id))
+            (found,) = cursor.fetchone()
+            for event_id, source, key in orjson.loads(found):
+                new_ids[(source, key)] = event_id
+            if len(new_ids) != inserted:
+                # Only at the largest rowid, 2**63 - 1, does SQLite pick
+                # others, at random.
+                raise NotSequential(f"{inserted} events inserted, {len(new_ids)} found by id")
+        taken = [key for key in batch.first if key not in new_ids]
+        if taken:
+            stored = find_taken_sqlite(cursor, statements, taken)
+    _insert_batch_deliveries(conn, statements, batch, new_ids)
+    return new_ids, stored
+
+
+def find_taken_sqlite(
+    cursor: Any, statements: Statements, keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], EventUnderKey]:
+    """The events under those of ``keys`` that are taken, in one read (SqliteBatch.find_sql)."""
+    cursor.execute(statements.sqlite_batch.find_sql, (orjson.dumps(keys).decode(),))
+    (found,) = cursor.fetchone()
+    return {
+        (source, key): EventUnderKey(event_id, print_)
+        for event_id, source, key, print_ in orjson.loads(found)
+    }
+
+
+def _insert_batch_deliveries(
+    conn: Connection, statements: Statements, batch: Batch, new_ids: dict[tuple[str, str], int]
+) -> None:
+    """The new events' deliveries (the outbox), in the batch's transaction."""
+    routes = current_routes()
+    deliveries = []
+    for key, event_id in new_ids.items():
+        message = batch.messages[batch.first[key]]
+        # As for one message: a new delivery is due from its event's receipt.
+        deliveries += delivery_rows(
+            event_id, routes(message.source, message.event_type), message.received_at or batch.now
+        )
+    if deliveries:
+        conn.execute(statements.insert_deliveries, deliveries)
+
+
+def write_postgresql_in_transaction(
+    conn: Connection, statements: Statements, batch: Batch
+) -> Written:
+    """PostgreSQL's one statement inside the caller's transaction (an all-or-nothing batch)."""
+    with transaction_cursor(conn) as cursor:
+        return write_postgresql(cursor, statements, batch)
+
+
+def write_postgresql(cursor: Any, statements: Statements, batch: Batch) -> Written:
+    """PostgreSQL: the taken keys' read, the events and their deliveries in one statement."""
+    sql = statements.batch_insert
+    messages, first = batch.messages, batch.first
+    wanted = _wanted_deliveries([messages[i] for i in first.values()], batch.now)
+    new_ids: dict[tuple[str, str], int] = {}
+    stored: dict[tuple[str, str], EventUnderKey] = {}
+    # Never prepared: planned for each batch, with its rows and the table
+    # as they are then. A plan cached early (psycopg prepares a statement on
+    # its fifth run) made batches of 100 five times slower as the table grew.
+    cursor.execute(sql.sql, sql.params(batch.rows, wanted), prepare=False)
+    for event_id, source, key, print_, is_new in cursor.fetchall():
+        if is_new:
+            new_ids[(source, key)] = event_id
+        else:
+            stored[(source, key)] = EventUnderKey(event_id, print_)
+    # Taken by a copy committed while the statement ran: not in its snapshot.
+    raced = [key for key in first if key not in new_ids and key not in stored]
+    if raced:
+        keys = {"source": [s for s, _ in raced], "dedup_key": [k for _, k in raced]}
+        cursor.execute(sql.find_sql, keys)
+        for event_id, source, key, print_ in cursor.fetchall():
+            stored[(source, key)] = EventUnderKey(event_id, print_)
+    return new_ids, stored
+
+
+def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:
+    """The deliveries of each message, were it new, named by its source and dedup key."""
+    routes = current_routes()
+    consumers: dict[tuple[str, str | None], list[tuple[str, str]]] = {}
+    columns: dict[datetime, dict[str, Any]] = {}
+    wanted = []
+    for message in messages:
+        route = (message.source, message.event_type)
+        if route not in consumers:
+            consumers[route] = routes(*route)
+        # As for one message: a new delivery is due from its event's receipt.
+        received_at = message.received_at or now
+        if received_at not in columns:
+            columns[received_at] = new_delivery_columns(received_at)
+        for name, kind in consumers[route]:
+            wanted.append(
+                {
+                    "source": message.source,
+                    "dedup_key": message.dedup_key,
+                    "consumer": name,
+                    "kind": kind,
+                    **columns[received_at],
+                }
+            )
+    return wanted
