@@ -25,7 +25,6 @@ from sqlalchemy.orm import Session
 from . import duplicates
 from .batch import receive_many
 from .batch_writes import ContentFingerprint
-from .driver import FastPathError
 from .in_transaction import (
     HeldEvent,
     ReservedIdTaken,
@@ -47,20 +46,20 @@ __all__ = [
     "Conflict",
     "ContentFingerprint",
     "Duplicate",
-    "FastPathError",
-    "HeldEvent",
-    "ReservedIdTaken",
     "Message",
     "Outcome",
-    "Routes",
     "add",
-    "check_reserved_id",
-    "forget_reserved_ids",
     "holding",
     "init_app",
-    "receipt_binds",
     "receive",
     "receive_many",
+    # For the idempotency engine (idempotency/records.py and decorator.py),
+    # which writes a held event with its own record.
+    "HeldEvent",
+    "ReservedIdTaken",
+    "check_reserved_id",
+    "forget_reserved_ids",
+    "receipt_binds",
     "write_held",
 ]
 
