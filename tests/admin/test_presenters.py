@@ -8,7 +8,7 @@ import pytest
 
 from webhook_receiver.admin import presenters
 from webhook_receiver.admin.auth import safe_next
-from webhook_receiver.admin.queries import Cursor
+from webhook_receiver.admin.paging import Cursor
 
 
 def test_json_is_pretty_printed_in_its_own_order():

@@ -23,7 +23,7 @@ from flask import current_app, g, request, session
 
 from ..database import unit_of_work
 from ..models import utcnow
-from . import queries
+from . import logins
 
 SESSION_KEY = "admin"
 DEFAULT_SESSION_HOURS = 12
@@ -66,7 +66,7 @@ def log_in() -> None:
     session_id = secrets.token_urlsafe(32)
     now = utcnow()
     with unit_of_work():
-        queries.open_admin_session(_digest(session_id), now, now + timedelta(hours=_hours()))
+        logins.open_admin_session(_digest(session_id), now, now + timedelta(hours=_hours()))
     session[SESSION_KEY] = {"tag": _session_tag(), "at": int(time.time()), "id": session_id}
     g.admin_logged_in = True
 
@@ -76,7 +76,7 @@ def log_out() -> None:
     data = session.get(SESSION_KEY)
     if isinstance(data, dict) and isinstance(data.get("id"), str):
         with unit_of_work():
-            queries.close_admin_session(_digest(data["id"]))
+            logins.close_admin_session(_digest(data["id"]))
     session.clear()
     g.admin_logged_in = False
 
@@ -100,7 +100,7 @@ def _session_is_live() -> bool:
         return False
     if not hmac.compare_digest(tag, _session_tag()):
         return False
-    return queries.admin_session_is_open(_digest(session_id), utcnow())
+    return logins.admin_session_is_open(_digest(session_id), utcnow())
 
 
 def remote_addr() -> str:
@@ -128,8 +128,8 @@ def attempt_is_throttled(now: datetime) -> bool:
     A good password clears the address's failures, its own included.
     """
     with unit_of_work():
-        queries.record_login_failure(remote_addr(), now, now - _window())
-    return queries.recent_login_failures(remote_addr(), now - _window()) > _max_failures()
+        logins.record_login_failure(remote_addr(), now, now - _window())
+    return logins.recent_login_failures(remote_addr(), now - _window()) > _max_failures()
 
 
 def retry_after() -> int:
@@ -140,7 +140,7 @@ def retry_after() -> int:
 def forget_failures() -> None:
     """Clear this address's failures after a good login."""
     with unit_of_work():
-        queries.clear_login_failures(remote_addr())
+        logins.clear_login_failures(remote_addr())
 
 
 def safe_next(target: str | None) -> str | None:

@@ -27,7 +27,7 @@ from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import HTTPException
 
 from ..extensions import csrf
-from . import auth, presenters, queries
+from . import auth, paging, presenters
 
 PREFIX = "/admin"
 _STATIC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "static")
@@ -97,7 +97,7 @@ def guard() -> ResponseReturnValue | None:
 def refuse_ids_out_of_range() -> None:
     """Answer 404 for an id in the URL beyond 64 bits: no row has one, and no driver binds it."""
     # Registered after guard, so the CSRF and login checks come first.
-    if any(isinstance(v, int) and v > queries.MAX_ID for v in (request.view_args or {}).values()):
+    if any(isinstance(v, int) and v > paging.MAX_ID for v in (request.view_args or {}).values()):
         abort(404)
 
 

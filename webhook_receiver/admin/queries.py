@@ -1,16 +1,15 @@
 """Data access for the admin pages: reads that stay fast on large tables, and the actions.
 
-Lists are paged with a keyset cursor on (timestamp, id), newest first, so a
-page costs the same at row one million as at row one: no OFFSET, and no
-COUNT(*) over a whole table. Writes start their transaction with the write
-(see database.py), so SQLite never has to upgrade a read lock.
+Lists are paged by keyset (paging.py): no OFFSET, and no COUNT(*) over a
+whole table. Writes start their transaction with the write (see
+database.py), so SQLite never has to upgrade a read lock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -18,136 +17,25 @@ from sqlalchemy import (
     CursorResult,
     Select,
     and_,
-    delete,
     exists,
     func,
-    insert,
-    literal,
     not_,
     or_,
     select,
-    tuple_,
     update,
 )
 
 from ..extensions import db
 from ..models import (
-    AdminLoginFailure,
-    AdminSession,
     Delivery,
     Event,
     EventConflict,
     EventDuplicate,
     IdempotencyRecord,
     Rejection,
-    UTCDateTime,
 )
 from ..processing import deliveries as delivery_states
-
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-# Row ids are signed 64-bit on PostgreSQL and SQLite alike: a larger number
-# names no row, and the drivers refuse to bind it.
-MAX_ID = 2**63 - 1
-
-
-def is_row_id(raw: str) -> bool:
-    """Tell whether a string is a row id: ASCII digits (not "²") within 64 bits."""
-    return raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) <= MAX_ID
-
-
-# -- keyset paging -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """A position in a list ordered by (at, id): the row just outside the page."""
-
-    at: datetime
-    id: int
-
-    def encode(self) -> str:
-        """Render as ``<microseconds since epoch>.<id>``, exact on every database."""
-        micros = (self.at - EPOCH) // timedelta(microseconds=1)
-        return f"{micros}.{self.id}"
-
-    @classmethod
-    def decode(cls, raw: str) -> Cursor:
-        """Parse what ``encode`` made; ValueError when it is not one."""
-        micros, _, ident = raw.partition(".")
-        digits = micros.removeprefix("-")
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18) or not is_row_id(
-            ident
-        ):
-            raise ValueError(f"not a cursor: {raw!r}")
-        try:
-            at = EPOCH + timedelta(microseconds=int(micros))
-        except OverflowError as exc:
-            raise ValueError(f"cursor out of range: {raw!r}") from exc
-        return cls(at, int(ident))
-
-
-@dataclass(frozen=True)
-class Page:
-    """One page of rows, newest first, with the cursors of its neighbours."""
-
-    rows: list[Any]
-    newer: Cursor | None = None
-    older: Cursor | None = None
-
-
-def keyset_page(
-    stmt: Select[*tuple[Any, ...]],
-    at_col: Any,
-    id_col: Any,
-    *,
-    limit: int,
-    before: Cursor | None = None,
-    after: Cursor | None = None,
-    row_key: Any = None,
-) -> Page:
-    """Run ``stmt`` for one page ordered by (at_col, id_col) descending.
-
-    ``before`` asks for the rows older than a cursor, ``after`` for the rows
-    newer than it (read ascending, then turned round). One extra row is read
-    to know whether there is a further page. ``row_key(row)`` gives a row's
-    (at, id); by default the row's attributes named like the columns.
-    """
-    key = tuple_(at_col, id_col)
-
-    def bound(cursor: Cursor) -> Any:
-        return tuple_(literal(cursor.at, UTCDateTime()), literal(cursor.id, id_col.type))
-
-    def position(row: Any) -> Cursor:
-        if row_key is not None:
-            at, ident = row_key(row)
-        else:
-            at, ident = getattr(row, at_col.key), getattr(row, id_col.key)
-        return Cursor(at, ident)
-
-    if after is not None:
-        rows = list(
-            db.session.execute(
-                stmt.where(key > bound(after)).order_by(at_col.asc(), id_col.asc()).limit(limit + 1)
-            ).all()
-        )
-        more = len(rows) > limit
-        rows = rows[:limit][::-1]
-        if not rows:
-            return Page([], None, after)
-        return Page(rows, position(rows[0]) if more else None, position(rows[-1]))
-
-    if before is not None:
-        stmt = stmt.where(key < bound(before))
-    rows = list(
-        db.session.execute(stmt.order_by(at_col.desc(), id_col.desc()).limit(limit + 1)).all()
-    )
-    more = len(rows) > limit
-    rows = rows[:limit]
-    if not rows:
-        return Page([], before, None)
-    newer = position(rows[0]) if before is not None else None
-    return Page(rows, newer, position(rows[-1]) if more else None)
-
+from .paging import Cursor, Page, is_row_id, keyset_page
 
 # -- overview ----------------------------------------------------------------
 
@@ -623,64 +511,3 @@ def list_rejections(
     return keyset_page(
         stmt, Rejection.received_at, Rejection.id, limit=limit, before=before, after=after
     )
-
-
-# -- login throttling --------------------------------------------------------
-
-
-def recent_login_failures(remote_addr: str, since: datetime) -> int:
-    """Count this address's failed logins since ``since``, and end the read."""
-    try:
-        return _count(
-            select(func.count()).where(
-                AdminLoginFailure.remote_addr == remote_addr, AdminLoginFailure.at >= since
-            )
-        )
-    finally:
-        db.session.rollback()
-
-
-def record_login_failure(remote_addr: str, now: datetime, keep_since: datetime) -> None:
-    """Record a failed login, pruning the ones too old to matter; the caller commits."""
-    # The delete comes first so that on SQLite the transaction opens with a write.
-    db.session.execute(delete(AdminLoginFailure).where(AdminLoginFailure.at < keep_since))
-    db.session.execute(insert(AdminLoginFailure).values(remote_addr=remote_addr, at=now))
-
-
-def clear_login_failures(remote_addr: str) -> None:
-    """Forget an address's failures after it logged in; the caller commits."""
-    db.session.execute(
-        delete(AdminLoginFailure).where(AdminLoginFailure.remote_addr == remote_addr)
-    )
-
-
-# -- admin sessions ----------------------------------------------------------
-
-
-def open_admin_session(token_hash: str, now: datetime, expires_at: datetime) -> None:
-    """Record an open session, pruning the expired ones; the caller commits."""
-    # The delete comes first so that on SQLite the transaction opens with a write.
-    db.session.execute(delete(AdminSession).where(AdminSession.expires_at <= now))
-    db.session.execute(
-        insert(AdminSession).values(token_hash=token_hash, created_at=now, expires_at=expires_at)
-    )
-
-
-def admin_session_is_open(token_hash: str, now: datetime) -> bool:
-    """Tell whether the session with this token is open and unexpired, and end the read."""
-    try:
-        return (
-            db.session.scalar(
-                select(AdminSession.id).where(
-                    AdminSession.token_hash == token_hash, AdminSession.expires_at > now
-                )
-            )
-            is not None
-        )
-    finally:
-        db.session.rollback()
-
-
-def close_admin_session(token_hash: str) -> None:
-    """Forget one session, so that its cookie opens nothing any more; the caller commits."""
-    db.session.execute(delete(AdminSession).where(AdminSession.token_hash == token_hash))

@@ -25,7 +25,7 @@ from ..idempotency import records
 from ..models import utcnow
 from ..observability import metrics
 from ..processing import deliveries
-from . import auth, presenters, queries
+from . import auth, paging, presenters, queries
 from .blueprint import bp
 
 log = logging.getLogger(__name__)
@@ -39,19 +39,19 @@ def _page_size() -> int:
     return max(1, min(size, 500))
 
 
-def _cursors() -> dict[str, queries.Cursor | None]:
-    found: dict[str, queries.Cursor | None] = {"before": None, "after": None}
+def _cursors() -> dict[str, paging.Cursor | None]:
+    found: dict[str, paging.Cursor | None] = {"before": None, "after": None}
     for name in found:
         raw = request.args.get(name)
         if raw:
             try:
-                found[name] = queries.Cursor.decode(raw)
+                found[name] = paging.Cursor.decode(raw)
             except ValueError:
                 abort(400, "That page link is not valid; start again from the first page.")
     return found
 
 
-def _pager(page: queries.Page) -> dict[str, str | None]:
+def _pager(page: paging.Page) -> dict[str, str | None]:
     """Links to the newer and older pages, keeping the current filters."""
     args: dict[str, Any] = {
         k: v for k, v in request.args.items() if k not in ("before", "after") and v
@@ -182,7 +182,7 @@ def events() -> str:
     """List events, newest first, filtered and paged by keyset."""
     filters, errors = _event_filters()
     if errors:
-        page = queries.Page([])
+        page = paging.Page([])
     else:
         page = queries.list_events(filters, limit=_page_size(), **_cursors())
     states = queries.delivery_states_of([row.id for row in page.rows])
@@ -226,7 +226,7 @@ def _chosen_ids() -> list[int]:
     if request.form.get("page_ids"):
         raw_ids = request.form["page_ids"].split(",")
     chosen = [raw.strip() for raw in raw_ids if raw.strip()]
-    if not all(queries.is_row_id(raw) for raw in chosen):
+    if not all(paging.is_row_id(raw) for raw in chosen):
         abort(400, "Delivery ids must be numbers.")
     return sorted({int(raw) for raw in chosen})
 
