@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from . import pointers
+
 # The providers a source may name; webhooks.providers registers one
 # implementation for each, and checks at import that the two lists agree.
 PROVIDER_NAMES = frozenset(
@@ -174,6 +176,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
         raise ValueError(f"{spec!r} names no header")
     if kind == "json" and arg and not arg.startswith("/"):
         raise ValueError(f"{spec!r}: a JSON pointer starts with '/'")
+    if kind == "json":
+        pointers.parse(arg)  # the parser every intake resolves with (a ValueError)
     return kind, arg
 
 
@@ -717,7 +721,12 @@ def _json_pointer(key: str, value: Any, where: str) -> str:
         raise ConfigError(
             f"{where} {key} must be 'json:<pointer>' (version and entity go together)"
         )
-    return value[len("json:") :]
+    pointer = value[len("json:") :]
+    try:
+        pointers.parse(pointer)  # the parser the ordering rule resolves with
+    except pointers.PointerError as exc:
+        raise ConfigError(f"{where} {key}: {exc}") from exc
+    return pointer
 
 
 def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:

@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.extensions": 1,
     "webhook_receiver.config": 1,
     "webhook_receiver.fingerprint": 1,
+    "webhook_receiver.pointers": 1,
     "webhook_receiver.correlation": 1,
     "webhook_receiver.background": 1,
 }

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, cast
 import orjson
 from sqlalchemy import String
 
-from .. import events
+from .. import events, pointers
 from ..config import BrokerSourceConfig, parse_broker_spec
 from ..fingerprint import (
     JSONError,
@@ -36,7 +36,6 @@ from ..fingerprint import (
 )
 from ..inbox import ContentFingerprint, Message
 from ..models import Event
-from ..processing.ordering import resolve_pointer
 
 # Reasons a message is dead-lettered without being stored.
 MISSING_KEY = "dedup-key-missing"
@@ -174,7 +173,7 @@ def _read(spec: _Spec, delivery: Delivery, parsed: Any) -> str | None:
     elif kind == "header":
         value = _header(delivery.headers, arg)
     else:
-        value = resolve_pointer(parsed, arg) if arg else parsed
+        value = pointers.resolve(parsed, arg)
     if value is None or isinstance(value, dict | list):
         return None
     if isinstance(value, bytes):

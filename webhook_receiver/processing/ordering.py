@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import exists
 
+from .. import pointers
 from ..database import is_sqlite
 from ..extensions import db
 from ..models import EntityVersion
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 _t = EntityVersion.__table__
 _NUMBER = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 _MAX_NUMBER = Decimal(10) ** 24
-_MISSING = object()
 STALE = "stale: a newer version of this entity was already applied"
 
 
@@ -83,19 +83,11 @@ def key_for(consumer: str, body: bytes, version_pointer: str, entity_pointer: st
 
 
 def resolve_pointer(document: Any, pointer: str) -> Any:
-    """Resolve an RFC 6901 JSON pointer; None when nothing is there."""
-    node = document
-    for raw in pointer.split("/")[1:]:
-        token = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict):
-            node = node.get(token, _MISSING)
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            node = _MISSING
-        if node is _MISSING:
-            return None
-    return node
+    """Resolve an RFC 6901 JSON pointer; None when nothing is there.
+
+    ``pointers.resolve``: the webhook and broker sources resolve the same way.
+    """
+    return pointers.resolve(document, pointer)
 
 
 def skip_if_stale(claim: Claim, source: str, key: Key, now: datetime) -> bool:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ... import pointers
 from ...fingerprint import JSONError, canonical_number, loads
 from .base import (
     Inbound,
@@ -156,27 +157,13 @@ def parse_json(body: bytes) -> Any:
         raise PayloadError(f"body is not valid JSON: {exc}") from exc
 
 
-_MISSING = object()
-
-
 def resolve_pointer(document: Any, pointer: str) -> Any:
-    """Resolve an RFC 6901 JSON pointer; return None when nothing is there."""
-    if pointer == "":
-        return document
-    if not pointer.startswith("/"):
-        raise PayloadError("JSON pointer must start with '/'")
-    node: Any = document
-    for raw in pointer[1:].split("/"):
-        if re.search(r"~(?![01])", raw):
-            raise PayloadError("JSON pointer has an invalid ~ escape")
-        token = raw.replace("~1", "/").replace("~0", "~")  # this order, per the RFC
-        if isinstance(node, dict):
-            node = node.get(token, _MISSING)
-        elif isinstance(node, list) and re.fullmatch(r"0|[1-9][0-9]*", token):
-            index = int(token)
-            node = node[index] if index < len(node) else _MISSING
-        else:
-            node = _MISSING
-        if node is _MISSING:
-            return None
-    return node
+    """Resolve an RFC 6901 JSON pointer; None when nothing is there (see ``pointers``).
+
+    The one resolution the broker sources and the ordering rules use too;
+    a text that is no pointer is a PayloadError here.
+    """
+    try:
+        return pointers.resolve(document, pointer)
+    except pointers.PointerError as exc:
+        raise PayloadError(str(exc)) from exc
