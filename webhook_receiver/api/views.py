@@ -12,9 +12,12 @@ from .. import correlation, events, inbox
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
+from ..inbox.messages import TYPE_LENGTH, Unstorable
 from .auth import require_client
 
 bp = Blueprint("api", __name__, url_prefix="/api")
+
+_TYPE_RULE = f'"type" must be a non-empty string of at most {TYPE_LENGTH} characters, without NUL'
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -42,31 +45,20 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
     body = request.get_data(cache=True)
     if not is_json_type(request.content_type):
         raise Refused("invalid-json", "send the event as Content-Type: application/json")
-    if len(request.content_type or "") > 255:  # the column's length (PostgreSQL would 500)
-        raise Refused("unsupported-media-type", "the Content-Type header is too long")
     # Parsed and made canonical once, by @idempotent's fingerprint.
     parsed = request.environ.get(JSON_BODY)
     payload, canonical = parsed if parsed is not None else _parsed(body)
     if not isinstance(payload, dict):
         raise Refused("invalid-event", 'the body must be a JSON object {"type": ..., "data": ...}')
     event_type = payload.get("type")
-    # PostgreSQL text cannot hold NUL: refused here on every database alike.
-    if (
-        not isinstance(event_type, str)
-        or not event_type
-        or len(event_type) > 255
-        or "\x00" in event_type
-    ):
-        raise Refused(
-            "invalid-event",
-            '"type" must be a non-empty string of at most 255 characters, without NUL',
-        )
+    if not isinstance(event_type, str) or not event_type:
+        raise Refused("invalid-event", _TYPE_RULE)
     if "data" not in payload:
         raise Refused("invalid-event", '"data" is required (any JSON value)')
     source = f"api:{g.client}"
     now = datetime.now(UTC)
-    event_id = inbox.add(
-        inbox.Message(
+    try:
+        message = inbox.Message.build(
             source=source,
             # Retries are deduplicated by the Idempotency-Key record; the
             # event's own key only has to be unique and stable.
@@ -81,7 +73,15 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             client=g.client,
             received_at=now,
         )
-    )
+    except Unstorable as exc:
+        # A type or Content-Type no database can store as it is (too long,
+        # a NUL): refused before any work, so it binds no key either.
+        if exc.field == "content_type":
+            raise Refused("unsupported-media-type", f"the Content-Type header: {exc}") from exc
+        if exc.field == "event_type":
+            raise Refused("invalid-event", f"{_TYPE_RULE}: {exc}") from exc
+        raise Refused("invalid-event", str(exc)) from exc
+    event_id = inbox.add(message)
     if event_id is None:  # a fresh uuid cannot be taken
         raise RuntimeError("a fresh event key was already taken")
     document = {

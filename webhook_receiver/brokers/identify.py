@@ -22,7 +22,6 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
 import orjson
-from sqlalchemy import String
 
 from .. import events, pointers
 from ..config import BrokerSourceConfig, parse_broker_spec
@@ -35,7 +34,7 @@ from ..fingerprint import (
     loads,
 )
 from ..inbox import ContentFingerprint, Message
-from ..models import Event
+from ..inbox.messages import CORRELATION_ID_LENGTH, Unstorable
 
 # Reasons a message is dead-lettered without being stored.
 MISSING_KEY = "dedup-key-missing"
@@ -84,18 +83,6 @@ class Delivery(NamedTuple):
     meta: Mapping[str, Any] = _NONE
 
 
-def _length(name: str) -> int:
-    length = cast(String, Event.__table__.c[name].type).length
-    if length is None:
-        raise TypeError(f"events.{name} has no declared length")
-    return length
-
-
-_KEY_LENGTH = _length("dedup_key")
-_TYPE_LENGTH = _length("event_type")
-_CONTENT_TYPE_LENGTH = _length("content_type")
-
-
 def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
     """Build the inbox Message of ``delivery``, or raise Unidentified."""
     key_spec, type_spec, needs_json = _specs(source.dedup_key, source.event_type, source.provider)
@@ -109,19 +96,24 @@ def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
     if not key:
         raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
     event_type = _read(type_spec, delivery, parsed) or None
-    _check_storable(key, event_type, delivery.content_type)
-    return Message(
-        source=source.name,
-        dedup_key=key,
-        # Only what the producer sent decides it; delivery counters must not.
-        fingerprint=fingerprint([event_type or "", delivery.body]),
-        body=delivery.body,
-        event_type=event_type,
-        content_type=delivery.content_type or None,
-        headers=_headers(delivery.headers),
-        meta=_clean_meta(delivery),
-        correlation_id=_correlation_id(delivery),
-    )
+    try:
+        return Message.build(
+            source=source.name,
+            dedup_key=key,
+            # Only what the producer sent decides it; delivery counters must not.
+            fingerprint=fingerprint([event_type or "", delivery.body]),
+            body=delivery.body,
+            event_type=event_type,
+            content_type=delivery.content_type or None,
+            headers=_headers(delivery.headers),
+            meta=_clean_meta(delivery),
+            correlation_id=_correlation_id(delivery),
+        )
+    except Unstorable as exc:
+        # PostgreSQL refuses a NUL in text and a value longer than its column,
+        # and that error would fail the whole batch on every redelivery: such
+        # a message is dead-lettered instead, the same way on both databases.
+        raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
 
 
 def content_fingerprint(source: BrokerSourceConfig) -> ContentFingerprint:
@@ -196,20 +188,6 @@ def _header(headers: Mapping[str, str | bytes], name: str) -> str | bytes | None
     return next((v for k, v in headers.items() if k.lower() == lowered), None)
 
 
-def _check_storable(key: str, event_type: str | None, content_type: str | None) -> None:
-    # PostgreSQL refuses a NUL in text and a value longer than its column,
-    # and that error would fail the whole batch on every redelivery: such a
-    # message is dead-lettered instead, the same way on both databases.
-    if "\x00" in key or "\x00" in (event_type or ""):
-        raise Unidentified(PAYLOAD_INVALID, "the dedup key or type holds a NUL character")
-    if len(key) > _KEY_LENGTH:
-        raise Unidentified(PAYLOAD_INVALID, f"the dedup key is longer than {_KEY_LENGTH}")
-    if len(event_type or "") > _TYPE_LENGTH:
-        raise Unidentified(PAYLOAD_INVALID, f"the event type is longer than {_TYPE_LENGTH}")
-    if len(content_type or "") > _CONTENT_TYPE_LENGTH or "\x00" in (content_type or ""):
-        raise Unidentified(PAYLOAD_INVALID, "the content type is too long or holds a NUL")
-
-
 def _correlation_id(delivery: Delivery) -> str | None:
     value = (
         delivery.properties.get("correlation_id")
@@ -218,7 +196,7 @@ def _correlation_id(delivery: Delivery) -> str | None:
     )
     if not value or isinstance(value, bytes) or "\x00" in value:
         return None
-    return value[:200]
+    return value[:CORRELATION_ID_LENGTH]
 
 
 def _headers(headers: Mapping[str, str | bytes]) -> tuple[tuple[str, str], ...]:

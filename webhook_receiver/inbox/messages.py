@@ -6,9 +6,60 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
+
+from sqlalchemy import String
+
+from ..models import Event
 
 _NO_META: Mapping[str, Any] = MappingProxyType({})
+
+
+def _length(column: str) -> int:
+    length = cast(String, Event.__table__.c[column].type).length
+    if length is None:
+        raise TypeError(f"events.{column} has no declared length to check against")
+    return length
+
+
+# What a message may hold to be stored the same way on PostgreSQL and SQLite.
+# The lengths are the events table's columns (PostgreSQL refuses a longer
+# value with an error, SQLite stores it); text holds no NUL (PostgreSQL's
+# text and jsonb refuse one) and is UTF-8 (no lone surrogate). Checked by
+# Message.build, for every intake; documented in docs/architecture.md.
+SOURCE_LENGTH = _length("source")
+KEY_LENGTH = _length("dedup_key")
+TYPE_LENGTH = _length("event_type")
+CONTENT_TYPE_LENGTH = _length("content_type")
+CLIENT_LENGTH = _length("client")
+CORRELATION_ID_LENGTH = _length("correlation_id")
+
+_NAMES = {
+    "source": "the source name",
+    "dedup_key": "the dedup key",
+    "event_type": "the event type",
+    "content_type": "the content type",
+    "client": "the client name",
+    "correlation_id": "the correlation id",
+    "meta": "the metadata",
+}
+
+
+class Unstorable(ValueError):
+    """A message that no database can store as it is: refused before anything is written.
+
+    ``field`` names the Message field (``dedup_key``, ``event_type``,
+    ``content_type``, ``source``, ``client``, ``correlation_id``, ``meta``);
+    ``reason`` is ``empty``, ``too-long``, ``nul`` or ``not-utf8``; ``detail``
+    says it in a sentence. Each intake maps it to its protocol: a 400 (or
+    415 for the content type) over HTTP, a dead letter for a broker.
+    """
+
+    def __init__(self, field: str, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.field = field
+        self.reason = reason
+        self.detail = detail
 
 
 class Message(NamedTuple):
@@ -37,6 +88,119 @@ class Message(NamedTuple):
     correlation_id: str | None = None
     client: str | None = None
     received_at: datetime | None = None
+
+    @classmethod
+    def build(
+        cls,
+        source: str,
+        dedup_key: str,
+        fingerprint: str,
+        body: bytes,
+        event_type: str | None = None,
+        content_type: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+        meta: Mapping[str, Any] = _NO_META,
+        correlation_id: str | None = None,
+        client: str | None = None,
+        received_at: datetime | None = None,
+    ) -> Message:
+        """Build a message an intake hands to the inbox, or raise Unstorable.
+
+        The one way an intake makes a Message: it checks the limits above
+        (a few length and NUL tests; the slow walk only names what failed).
+        """
+        # One scan of the text fields together for a NUL and for non-ASCII
+        # (only then is it encoded, to find a lone surrogate).
+        text = f"{source}{dedup_key}{event_type or ''}{content_type or ''}{client or ''}"
+        if correlation_id:
+            text += correlation_id
+        if (
+            not dedup_key
+            or len(dedup_key) > KEY_LENGTH
+            or len(source) > SOURCE_LENGTH
+            or (event_type is not None and len(event_type) > TYPE_LENGTH)
+            or (content_type is not None and len(content_type) > CONTENT_TYPE_LENGTH)
+            or (client is not None and len(client) > CLIENT_LENGTH)
+            or (correlation_id is not None and len(correlation_id) > CORRELATION_ID_LENGTH)
+            or "\x00" in text
+            or not (text.isascii() or _is_utf8(text))
+            or (meta and _meta_has_nul(meta))
+        ):
+            _refuse(source, dedup_key, event_type, content_type, client, correlation_id, meta)
+        return cls(
+            source,
+            dedup_key,
+            fingerprint,
+            body,
+            event_type,
+            content_type,
+            headers,
+            meta,
+            correlation_id,
+            client,
+            received_at,
+        )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _meta_has_nul(meta: Mapping[str, Any]) -> bool:
+    # A loop, not any() over a generator: half the cost, and it runs per message.
+    for value in meta.values():
+        if value.__class__ is str and "\x00" in value:
+            return True
+    return False
+
+
+_LIMITS = {
+    "source": SOURCE_LENGTH,
+    "dedup_key": KEY_LENGTH,
+    "event_type": TYPE_LENGTH,
+    "content_type": CONTENT_TYPE_LENGTH,
+    "client": CLIENT_LENGTH,
+    "correlation_id": CORRELATION_ID_LENGTH,
+}
+
+
+def _refuse(
+    source: str,
+    dedup_key: str,
+    event_type: str | None,
+    content_type: str | None,
+    client: str | None,
+    correlation_id: str | None,
+    meta: Mapping[str, Any],
+) -> None:
+    """Raise the Unstorable that names the first field over a limit."""
+    if not dedup_key:
+        raise Unstorable("dedup_key", "empty", "the dedup key is empty")
+    fields = {
+        "source": source,
+        "dedup_key": dedup_key,
+        "event_type": event_type,
+        "content_type": content_type,
+        "client": client,
+        "correlation_id": correlation_id,
+    }
+    for field, value in fields.items():
+        if value is None:
+            continue
+        name, limit = _NAMES[field], _LIMITS[field]
+        if len(value) > limit:
+            raise Unstorable(field, "too-long", f"{name} is longer than {limit} characters")
+        if "\x00" in value:
+            raise Unstorable(field, "nul", f"{name} holds a NUL character")
+        if not _is_utf8(value):
+            raise Unstorable(field, "not-utf8", f"{name} is not UTF-8 text")
+    if _meta_has_nul(meta):
+        raise Unstorable("meta", "nul", "the metadata holds a NUL character")
+    raise AssertionError("Message.build refused a storable message")  # pragma: no cover
 
 
 @dataclass(frozen=True)

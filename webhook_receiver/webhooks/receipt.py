@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import String
 from werkzeug.datastructures import Headers
 
 from .. import correlation, events, inbox, rejections
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..models import Event
+from ..inbox.messages import Unstorable
 from ..observability import metrics
 from ..problems import Problem
 from .providers import (
@@ -39,8 +38,6 @@ from .providers import (
 )
 
 log = logging.getLogger(__name__)
-
-_events = Event.__table__
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,6 @@ def receive(
         raise Problem("payload-invalid", str(exc)) from exc
     if identified.immediate_response is not None:
         return Receipt("immediate", identified.immediate_response)
-    _check_storable(identified, content_type)
 
     is_json = parsed is not None
     content = canonical_json(parsed) if is_json else body
@@ -126,10 +122,9 @@ def _store_batch(
     entry_type = content_type.replace("cloudevents-batch+json", "cloudevents+json", 1)
     messages = []
     for part in batch:
-        _check_storable(part.identified, entry_type)
         content = canonical_json(part.json)
-        messages.append(
-            inbox.Message(
+        try:
+            message = inbox.Message.build(
                 source=source.name,
                 dedup_key=part.identified.dedup_key,
                 fingerprint=fingerprint([part.identified.event_type or "", content]),
@@ -140,7 +135,9 @@ def _store_batch(
                 meta=part.identified.meta,
                 correlation_id=correlation.current(),
             )
-        )
+        except Unstorable as exc:
+            raise _refusal(exc) from exc
+        messages.append(message)
     by_key: dict[str, str] = {}
     for message in messages:
         if by_key.setdefault(message.dedup_key, message.fingerprint) != message.fingerprint:
@@ -174,33 +171,14 @@ def _redacted(source: SourceConfig, headers: Headers) -> tuple[tuple[str, str], 
     return events.redact_headers(headers.items(), redacted_headers(source))
 
 
-def _column_length(name: str) -> int:
-    """The declared length of one of the events table's String columns."""
-    length = cast(String, _events.c[name].type).length
-    if length is None:
-        raise TypeError(f"events.{name} has no declared length to check against")
-    return length
-
-
-_TYPE_LENGTH = _column_length("event_type")
-_CONTENT_TYPE_LENGTH = _column_length("content_type")
-
-
-def _check_storable(identified: Identified, content_type: str) -> None:
+def _refusal(exc: Unstorable) -> Problem:
+    """The answer to a delivery Message.build refused: 400, or 415 for its Content-Type."""
     # PostgreSQL refuses a NUL in text and a value longer than its column
     # with an error (a 500, retried for days), where SQLite stores both:
-    # refuse them up front, the same way on both, as the bad input they are.
-    strings = [identified.dedup_key, identified.event_type or ""]
-    strings += [v for v in identified.meta.values() if isinstance(v, str)]
-    if any("\x00" in value for value in strings):
-        raise Problem("payload-invalid", "the dedup key, type or metadata holds a NUL character")
-    if len(identified.event_type or "") > _TYPE_LENGTH:
-        raise Problem("payload-invalid", f"the event type is longer than {_TYPE_LENGTH} characters")
-    if len(content_type) > _CONTENT_TYPE_LENGTH:
-        raise Problem(
-            "unsupported-media-type",
-            f"the Content-Type header is longer than {_CONTENT_TYPE_LENGTH} characters",
-        )
+    # Message.build refuses them up front, the same way on both.
+    if exc.field == "content_type":
+        return Problem("unsupported-media-type", f"the Content-Type header: {exc}")
+    return Problem("payload-invalid", str(exc))
 
 
 def _parse(body: bytes, content_type: str, required: bool) -> tuple[Any, str | None]:
@@ -220,17 +198,20 @@ def _store(
     content_type: str,
     headers: Headers,
 ) -> Receipt:
-    message = inbox.Message(
-        source=source.name,
-        dedup_key=identified.dedup_key,
-        fingerprint=print_,
-        body=body,
-        event_type=identified.event_type,
-        content_type=content_type or None,
-        headers=_redacted(source, headers),
-        meta=identified.meta,
-        correlation_id=correlation.current(),
-    )
+    try:
+        message = inbox.Message.build(
+            source=source.name,
+            dedup_key=identified.dedup_key,
+            fingerprint=print_,
+            body=body,
+            event_type=identified.event_type,
+            content_type=content_type or None,
+            headers=_redacted(source, headers),
+            meta=identified.meta,
+            correlation_id=correlation.current(),
+        )
+    except Unstorable as exc:
+        raise _refusal(exc) from exc
     outcome = inbox.receive(message)
     if isinstance(outcome, inbox.Accepted):
         metrics.received(source.name)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ... import pointers
 from ...fingerprint import JSONError, canonical_number, loads
+from ...inbox.messages import KEY_LENGTH
 from .base import (
     Inbound,
     MissingKeyError,
@@ -21,7 +22,8 @@ from .base import (
     TimestampError,
 )
 
-MAX_KEY_LENGTH = 512
+# The inbox's limit (the events column): a longer key is no usable key.
+MAX_KEY_LENGTH = KEY_LENGTH
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
 
 
@@ -117,7 +119,7 @@ def check_tolerance(signed_at: int, inbound: Inbound, source: SourceConfig) -> N
 
 
 def dedup_key(value: Any) -> str:
-    """Validate a dedup key: a non-empty string of at most 512 characters."""
+    """Validate a dedup key: a non-empty string of at most MAX_KEY_LENGTH (512) characters."""
     if not isinstance(value, str) or not value.strip():
         raise MissingKeyError("no dedup key")
     if len(value) > MAX_KEY_LENGTH:
