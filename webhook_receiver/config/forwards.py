@@ -1,0 +1,184 @@
+"""Forwards and ordering rules: the ``[[<table>.forward]]`` arrays and ``version``/``entity``.
+
+Both sources and clients may carry them; the keys they add to a table are
+``PROCESSING_KEYS``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import pointers
+from .settings import ConfigError, redact_url
+from .signing import is_standard_secret
+
+# Keys read by the processing side (forwards and ordering), on sources and clients.
+PROCESSING_KEYS = {"forward", "version", "entity"}
+CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts", "concurrency"}
+# Keys only some forward URL schemes read.
+_SCHEME_KEYS: dict[str, frozenset[str]] = {
+    "http": frozenset({"signing_secret", "signing_secrets"}),
+    "https": frozenset({"signing_secret", "signing_secrets"}),
+    "amqp": frozenset({"exchange", "routing_key"}),
+    "amqps": frozenset({"exchange", "routing_key"}),
+    "nats": frozenset({"subject"}),
+    "tls": frozenset({"subject"}),
+}
+# A NATS subject without wildcards (a forward's, a dead-letter subject).
+NATS_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """One ``[[sources.<name>.forward]]`` (or ``[[clients.<name>.forward]]``) table."""
+
+    name: str
+    url: str
+    timeout_seconds: float = 10
+    # None forwards every event type.
+    event_types: tuple[str, ...] | None = None
+    max_attempts: int | None = None
+    # Deliveries of this forward one worker process runs at once: a stalled
+    # target holds no more of the worker's threads than this.
+    concurrency: int = 1
+    # amqp:// forwards publish to an exchange with a routing key ("{event_type}"
+    # in it is replaced); nats:// forwards to a JetStream subject.
+    exchange: str = ""
+    routing_key: str | None = None
+    subject: str | None = None
+    # Standard Webhooks secrets an HTTP forward signs with (one signature each).
+    signing_secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def scheme(self) -> str:
+        """The URL's scheme: http, https, amqp, amqps or nats."""
+        return self.url.partition("://")[0].lower()
+
+    def __repr__(self) -> str:
+        return (
+            f"ForwardConfig(name={self.name!r}, url={redact_url(self.url)!r}, "
+            f"signed={bool(self.signing_secrets)})"
+        )
+
+
+@dataclass(frozen=True)
+class OrderingConfig:
+    """A source's ``version`` and ``entity`` JSON pointers: stale events are skipped."""
+
+    version: str
+    entity: str
+
+
+def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{where} must be an array of tables ([[...forward]])")
+    result: list[ForwardConfig] = []
+    for table in tables:
+        name = table.get("name")
+        if not isinstance(name, str) or not CONSUMER_NAME.match(name):
+            raise ConfigError(
+                f"{where} name must be 1-100 letters, digits, '.', '_' or '-' (got {name!r})"
+            )
+        here = f"{where} {name}:"
+        url = table.get("url")
+        scheme = url.partition("://")[0].lower() if isinstance(url, str) else ""
+        if (
+            not isinstance(url, str)
+            or scheme not in _SCHEME_KEYS
+            or not re.match(r"^[a-z]+://[^/\s]+", url, re.IGNORECASE)
+        ):
+            raise ConfigError(
+                f"{here} url must be an http://, https://, amqp://, amqps:// or nats:// URL"
+            )
+        unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
+        if unknown:
+            raise ConfigError(
+                f"{here} unknown key(s): {', '.join(sorted(unknown))} (in a {scheme}:// forward)"
+            )
+        transport = _forward_transport(table, scheme, here)
+        timeout = table.get("timeout_seconds", 10)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"{here} timeout_seconds must be a positive number")
+        event_types = table.get("event_types")
+        if event_types is not None and (
+            not isinstance(event_types, list)
+            or not all(isinstance(t, str) and t for t in event_types)
+        ):
+            raise ConfigError(f"{here} event_types must be a list of event type names")
+        max_attempts = table.get("max_attempts")
+        if max_attempts is not None and (
+            not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
+        ):
+            raise ConfigError(f"{here} max_attempts must be a positive integer")
+        concurrency = table.get("concurrency", 1)
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise ConfigError(f"{here} concurrency must be a positive integer")
+        if any(f.name == name for f in result):
+            raise ConfigError(f"{where} two forwards are named {name!r}")
+        result.append(
+            ForwardConfig(
+                name=name,
+                url=url,
+                timeout_seconds=timeout,
+                event_types=None if event_types is None else tuple(event_types),
+                max_attempts=max_attempts,
+                concurrency=concurrency,
+                **transport,
+            )
+        )
+    return tuple(result)
+
+
+def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[str, Any]:
+    """The scheme-specific settings of a forward: exchange and routing key, subject, or secrets."""
+    if scheme in ("amqp", "amqps"):
+        exchange = table.get("exchange", "")
+        routing_key = table.get("routing_key")
+        if not isinstance(exchange, str):
+            raise ConfigError(f"{here} exchange must be a string ('' is the default exchange)")
+        if not isinstance(routing_key, str) or not routing_key:
+            raise ConfigError(f"{here} routing_key must be a non-empty string")
+        return {"exchange": exchange, "routing_key": routing_key}
+    if scheme in ("nats", "tls"):
+        subject = table.get("subject")
+        if not isinstance(subject, str) or not NATS_SUBJECT.match(subject):
+            raise ConfigError(f"{here} subject must be a NATS subject without wildcards")
+        return {"subject": subject}
+    if "signing_secret" in table and "signing_secrets" in table:
+        raise ConfigError(f"{here} give signing_secret or signing_secrets, not both")
+    secrets = table.get("signing_secrets", [])
+    if "signing_secret" in table:
+        secrets = [table["signing_secret"]]
+    if not isinstance(secrets, list) or not all(
+        isinstance(s, str) and is_standard_secret(s) for s in secrets
+    ):
+        raise ConfigError(f"{here} signing secrets must be whsec_<base64> strings")
+    if "signing_secrets" in table and not secrets:
+        raise ConfigError(f"{here} signing_secrets must not be empty")
+    return {"signing_secrets": tuple(secrets)}
+
+
+def parse_ordering(table: dict[str, Any], where: str) -> OrderingConfig | None:
+    version, entity = table.get("version"), table.get("entity")
+    if version is None and entity is None:
+        return None
+    return OrderingConfig(
+        version=_json_pointer("version", version, where),
+        entity=_json_pointer("entity", entity, where),
+    )
+
+
+def _json_pointer(key: str, value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("json:/"):
+        raise ConfigError(
+            f"{where} {key} must be 'json:<pointer>' (version and entity go together)"
+        )
+    pointer = value[len("json:") :]
+    try:
+        pointers.parse(pointer)  # the parser the ordering rule resolves with
+    except pointers.PointerError as exc:
+        raise ConfigError(f"{where} {key}: {exc}") from exc
+    return pointer

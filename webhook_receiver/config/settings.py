@@ -1,0 +1,157 @@
+"""Plain settings: their defaults, the environment's numbers checked, the database URL.
+
+Plain settings come from the environment (``DATABASE_URL``, ``SECRET_KEY``
+and ``WEBHOOK_RECEIVER_*``, read by Flask's ``from_prefixed_env``) over
+``DEFAULTS``; ``check_settings`` coerces the numeric ones and says which is
+wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+# Stripe and Standard Webhooks retry for about three days; operators replay
+# dead letters later still. Markers kept for less let duplicates back in.
+MIN_RETENTION_DAYS = 3
+
+DEFAULTS: dict[str, Any] = {
+    "MAX_BODY_BYTES": 1024 * 1024,
+    "IDEMPOTENCY_LEASE_SECONDS": 60,
+    "IDEMPOTENCY_TTL_SECONDS": 24 * 3600,
+    # How long a request waits for another's uncommitted claim of its key
+    # (PostgreSQL's lock_timeout) before answering 409.
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECONDS": 5.0,
+    "PURGE_BATCH_SIZE": 1000,
+    # Days events are kept when no [sources.*] table says: API events
+    # (``api:<client>``), and events of a source since removed from the file.
+    "API_RETENTION_DAYS": 30,
+    "DEFAULT_RETENTION_DAYS": 30,
+    # json or text; unset means json, or text when debugging.
+    "LOG_FORMAT": None,
+    "LOG_LEVEL": "INFO",
+    "ADMIN_PASSWORD": None,
+    "METRICS_TOKEN": None,
+    "SESSION_COOKIE_SECURE": False,
+    # How many reverse proxies in front set X-Forwarded-For/-Proto; 0 trusts
+    # none. Login throttling and logs use the client address they give.
+    "TRUSTED_PROXIES": 0,
+    # Connections go through pgbouncer in transaction mode (see docs/scaling.md).
+    "TRANSACTION_POOLER": False,
+    # The admin's knobs.
+    "ADMIN_SESSION_HOURS": 12,
+    "ADMIN_LOGIN_MAX_FAILURES": 5,
+    "ADMIN_LOGIN_WINDOW_SECONDS": 900,
+    "ADMIN_PAGE_SIZE": 50,
+    "FORCE_SHORT_RETENTION": False,
+    # Redeliveries' counts and times are written in batches this often (see
+    # duplicates.py); 0 writes each in its own request.
+    "DUPLICATE_FLUSH_SECONDS": 1.0,
+    # Refused deliveries are counted per source, reason, address and minute,
+    # and written this often (see rejections.py); 0 writes each at once.
+    "REJECTION_FLUSH_SECONDS": 1.0,
+    "SQLALCHEMY_ENGINE_OPTIONS": {},
+    # The delivery worker (webhook_receiver.processing). A lease must outlast
+    # the slowest forward: connect and read timeouts both count.
+    "WORKER_LEASE_SECONDS": 60,
+    "WORKER_POLL_SECONDS": 1.0,
+    "WORKER_MAX_ATTEMPTS": 8,
+    "WORKER_BACKOFF_BASE_SECONDS": 30,
+    "WORKER_BACKOFF_MAX_SECONDS": 3600,
+    "WORKER_RETRY_AFTER_MAX_SECONDS": 24 * 3600,
+    # Deliveries one worker process runs at once; each forward takes at most
+    # its ``concurrency`` of them (see docs/processing.md).
+    "WORKER_THREADS": 4,
+    # PostgreSQL connections (database.init_app): a statement running longer
+    # is cancelled, and answered as the database being away; 0 sets none.
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS": 30.0,
+    # A database call still running after this long logs one warning
+    # (database.stall_watch).
+    "DATABASE_STALL_WARNING_SECONDS": 5.0,
+}
+
+# A placeholder that must never reach production.
+DEV_SECRET_KEY = "dev-insecure-secret-key"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names what and where."""
+
+
+# Numeric settings: (type, smallest allowed value).
+NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
+    "MAX_BODY_BYTES": (int, 1),
+    "IDEMPOTENCY_LEASE_SECONDS": (int, 1),
+    "IDEMPOTENCY_TTL_SECONDS": (int, 1),
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECONDS": (float, 0.001),
+    "PURGE_BATCH_SIZE": (int, 1),
+    "API_RETENTION_DAYS": (int, 1),
+    "DEFAULT_RETENTION_DAYS": (int, 1),
+    "TRUSTED_PROXIES": (int, 0),
+    "ADMIN_SESSION_HOURS": (float, 0.01),
+    "ADMIN_LOGIN_MAX_FAILURES": (int, 1),
+    "ADMIN_LOGIN_WINDOW_SECONDS": (int, 1),
+    "ADMIN_PAGE_SIZE": (int, 1),
+    "DUPLICATE_FLUSH_SECONDS": (float, 0),
+    "REJECTION_FLUSH_SECONDS": (float, 0),
+    "WORKER_LEASE_SECONDS": (float, 0.1),
+    "WORKER_POLL_SECONDS": (float, 0.001),
+    "WORKER_MAX_ATTEMPTS": (int, 1),
+    "WORKER_BACKOFF_BASE_SECONDS": (float, 0),
+    "WORKER_BACKOFF_MAX_SECONDS": (float, 0),
+    "WORKER_RETRY_AFTER_MAX_SECONDS": (float, 0),
+    "WORKER_THREADS": (int, 1),
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS": (float, 0),
+    "DATABASE_STALL_WARNING_SECONDS": (float, 0.001),
+}
+
+
+def check_settings(config: dict[str, Any]) -> None:
+    """Coerce the numeric settings in place, or say which one is wrong and how."""
+    for name, (kind, smallest) in NUMERIC_SETTINGS.items():
+        if name not in config:
+            continue
+        value = config[name]
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"WEBHOOK_RECEIVER_{name} must be a{'n integer' if kind is int else ' number'}, "
+                f"got {value!r}"
+            ) from None
+        if number < smallest:
+            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
+        config[name] = number
+
+
+def database_uri(url: str | None, instance_path: str) -> str:
+    """Turn ``DATABASE_URL`` into a SQLAlchemy URI; default to SQLite in the instance folder."""
+    if not url:
+        return "sqlite:///" + os.path.join(instance_path, "webhook_receiver.sqlite3")
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password, lone user part and query replaced by [redacted].
+
+    A user part without a password is a token for NATS (``nats://TOKEN@host``)
+    and for many HTTP APIs; queries carry tokens too.
+    """
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        host = netloc.rpartition("@")[2]
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:[redacted]@{host}"
+        elif "@" in netloc:
+            netloc = f"[redacted]@{host}"
+        query = "[redacted]" if parts.query else ""
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return "[unparsable URL]"
