@@ -34,9 +34,9 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         app.config.from_mapping(test_config)
 
     cfg.check_settings(app.config)
-    _load_file_config(app)
-    _check_secret_key(app)
-    _check_retention(app)
+    app.config["FILE_CONFIG"] = cfg.load_for_app(app.config, app.instance_path)
+    cfg.check_secret_key(app.config, app.instance_path, lenient=app.debug or app.testing)
+    cfg.check_retention(app.config, app.config["FILE_CONFIG"])
 
     uri = app.config["SQLALCHEMY_DATABASE_URI"] = cfg.database_uri(
         app.config["SQLALCHEMY_DATABASE_URI"], app.instance_path
@@ -118,76 +118,3 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
 
 def _migrations_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "migrations")
-
-
-def _load_file_config(app: Flask) -> None:
-    raw = app.config.get("RECEIVER_CONFIG")
-    if raw is not None:
-        app.config["FILE_CONFIG"] = cfg.parse(dict(raw), "<test config>")
-        return
-    explicit = app.config.get("CONFIG") or os.environ.get("WEBHOOK_RECEIVER_CONFIG")
-    path = explicit or os.path.join(app.instance_path, "config.toml")
-    app.config["FILE_CONFIG"] = cfg.load_file(path, required=bool(explicit))
-
-
-SECRET_KEY_FILE = "secret_key"
-_MAKE_A_KEY = "python -c 'import secrets; print(secrets.token_hex(32))'"
-
-
-def _check_secret_key(app: Flask) -> None:
-    # Every entry point (gunicorn, each flask command, tests) finds the key
-    # the same way: SECRET_KEY given, else the instance folder's secret_key
-    # file, which `make run` writes.
-    key = app.config.get("SECRET_KEY") or _read_key_file(app.instance_path)
-    if app.debug or app.testing:
-        app.config["SECRET_KEY"] = key or cfg.DEV_SECRET_KEY
-        return
-    if key and (key == cfg.DEV_SECRET_KEY or len(str(key)) < 16):
-        raise cfg.ConfigError(
-            f"SECRET_KEY is too short or a placeholder: set a long random value ({_MAKE_A_KEY})"
-        )
-    if not key and app.config.get("ADMIN_PASSWORD"):
-        # Only the admin signs anything (its session cookie and CSRF tokens):
-        # the receiver, the worker and purge run without a key.
-        path = os.path.join(app.instance_path, SECRET_KEY_FILE)
-        raise cfg.ConfigError(
-            "SECRET_KEY is missing and the admin needs it to sign its sessions: "
-            f"run `make instance/secret_key` (make run does), or write one to {path}, "
-            f"or set SECRET_KEY ({_MAKE_A_KEY})"
-        )
-    app.config["SECRET_KEY"] = key or None
-
-
-def _read_key_file(instance_path: str) -> str | None:
-    path = os.path.join(instance_path, SECRET_KEY_FILE)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            key = fh.read().strip()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise cfg.ConfigError(f"{path}: cannot be read: {exc}") from exc
-    if not key:
-        raise cfg.ConfigError(f"{path} is empty: delete it and run `make instance/secret_key`")
-    return key
-
-
-def _check_retention(app: Flask) -> None:
-    api_seconds = app.config["API_RETENTION_DAYS"] * 86400
-    if api_seconds < app.config["IDEMPOTENCY_TTL_SECONDS"]:
-        # A replay would then answer with the id of an event already purged.
-        raise cfg.ConfigError(
-            "WEBHOOK_RECEIVER_API_RETENTION_DAYS is shorter than "
-            "WEBHOOK_RECEIVER_IDEMPOTENCY_TTL_SECONDS: API events must outlive their keys"
-        )
-    if app.config["FORCE_SHORT_RETENTION"]:
-        return
-    file_config: cfg.FileConfig = app.config["FILE_CONFIG"]
-    for name, days in file_config.retention_days().items():
-        if days < cfg.MIN_RETENTION_DAYS:
-            raise cfg.ConfigError(
-                f"{file_config.path}: [sources.{name}] retention_days = "
-                f"{days} is shorter than providers' redelivery window "
-                f"({cfg.MIN_RETENTION_DAYS} days): duplicates would be accepted again. "
-                "Set WEBHOOK_RECEIVER_FORCE_SHORT_RETENTION=true to force it."
-            )

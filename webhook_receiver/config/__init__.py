@@ -1,11 +1,11 @@
 """Configuration: defaults, then the environment, then the TOML file.
 
 Split by concern: ``settings`` (defaults, the environment's numbers, the
-database URL, ``ConfigError``), ``loader`` (the TOML file into
-``FileConfig``), ``sources`` (webhook sources), ``brokers`` (broker
-sources), ``forwards`` (forwards and ordering rules) and ``signing`` (the
-HMAC scheme's grammar and secrets' forms). The names other layers use are
-re-exported here.
+database URL, ``ConfigError``), ``checks`` (the secret key and retention at
+start-up), ``loader`` (the TOML file into ``FileConfig``), ``sources``
+(webhook sources), ``brokers`` (broker sources), ``forwards`` (forwards and
+ordering rules) and ``signing`` (the HMAC scheme's grammar and secrets'
+forms). The names other layers use are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from .brokers import (
     parse_broker_spec,
     subject_covers,
 )
+from .checks import SECRET_KEY_FILE, check_retention, check_secret_key
 from .forwards import CONSUMER_NAME, ForwardConfig, OrderingConfig
-from .loader import ClientConfig, FileConfig, load_file, parse
+from .loader import ClientConfig, FileConfig, load_file, load_for_app, parse
 from .settings import (
     DEFAULTS,
     DEV_SECRET_KEY,
@@ -54,6 +55,7 @@ __all__ = [
     "NUMERIC_SETTINGS",
     "PER_DELIVERY",
     "PROVIDER_NAMES",
+    "SECRET_KEY_FILE",
     "SIGNED_PLACEHOLDERS",
     "BrokerSourceConfig",
     "ClientConfig",
@@ -62,9 +64,12 @@ __all__ = [
     "ForwardConfig",
     "OrderingConfig",
     "SourceConfig",
+    "check_retention",
+    "check_secret_key",
     "check_settings",
     "database_uri",
     "load_file",
+    "load_for_app",
     "parse",
     "parse_broker_spec",
     "parse_spec",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,20 @@ def load_file(path: str | os.PathLike[str], *, required: bool) -> FileConfig:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc}") from exc
     return parse(raw, path)
+
+
+def load_for_app(settings: Mapping[str, Any], instance_path: str) -> FileConfig:
+    """The app's file config: a test's ``RECEIVER_CONFIG`` mapping, else the TOML file.
+
+    The file is ``CONFIG`` or ``WEBHOOK_RECEIVER_CONFIG`` (required to exist),
+    else ``config.toml`` in the instance folder (optional).
+    """
+    raw = settings.get("RECEIVER_CONFIG")
+    if raw is not None:
+        return parse(dict(raw), "<test config>")
+    explicit = settings.get("CONFIG") or os.environ.get("WEBHOOK_RECEIVER_CONFIG")
+    path = explicit or os.path.join(instance_path, "config.toml")
+    return load_file(path, required=bool(explicit))
 
 
 def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
