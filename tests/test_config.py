@@ -15,6 +15,7 @@ from webhook_receiver import create_app
 from webhook_receiver.extensions import db
 from webhook_receiver.idempotency import records
 from webhook_receiver.models import EventDuplicate, IdempotencyRecord, utcnow
+from webhook_receiver.webhooks.providers import PROVIDERS
 
 from .conftest import ACME_TOKEN, SECRET_KEY, bearer
 from .servers import BIN, ROOT, app_env
@@ -195,7 +196,7 @@ def test_invalid_config_file_is_refused_with_its_path(
 
 
 def test_token_lookup_finds_only_exact_tokens():
-    file_config = cfg.parse({"clients": {"acme": {"token": ACME_TOKEN}}})
+    file_config = cfg.parse({"clients": {"acme": {"token": ACME_TOKEN}}}, providers=PROVIDERS)
     assert file_config.client_for_token(ACME_TOKEN).name == "acme"
     assert file_config.client_for_token(ACME_TOKEN[:-1]) is None
     assert file_config.client_for_token(ACME_TOKEN + " ") is None

@@ -34,7 +34,11 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
         app.config.from_mapping(test_config)
 
     cfg.check_settings(app.config)
-    app.config["FILE_CONFIG"] = cfg.load_for_app(app.config, app.instance_path)
+    from .webhooks.providers import PROVIDERS
+
+    app.config["FILE_CONFIG"] = cfg.load_for_app(
+        app.config, app.instance_path, providers=PROVIDERS.keys()
+    )
     cfg.check_secret_key(app.config, app.instance_path, lenient=app.debug or app.testing)
     cfg.check_retention(app.config, app.config["FILE_CONFIG"])
 

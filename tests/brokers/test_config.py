@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from webhook_receiver import config as cfg
+from webhook_receiver.webhooks.providers import PROVIDERS
 
 URL = "amqp://guest:s3cret-pass@127.0.0.1:5672/%2F"
 
 
 def _parse(**sources):
-    return cfg.parse({"sources": sources}, "receiver.toml")
+    return cfg.parse({"sources": sources}, "receiver.toml", providers=PROVIDERS)
 
 
 def test_rabbitmq_source_defaults():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from webhook_receiver.config import ConfigError, ForwardConfig, OrderingConfig, parse
+from webhook_receiver.webhooks.providers import PROVIDERS
 
 SOURCE = {"provider": "generic", "secrets": ["s3cret-0123456789"], "signature_header": "X-Sig"}
 TOKEN = "acme-token-0123456789abcdef"
 
 
 def _parse(**source):
-    return parse({"sources": {"shop": {**SOURCE, **source}}})
+    return parse({"sources": {"shop": {**SOURCE, **source}}}, providers=PROVIDERS)
 
 
 def test_forwards_and_ordering_of_a_source_are_read():
@@ -41,7 +42,8 @@ def test_forwards_and_ordering_of_a_source_are_read():
 
 def test_client_forwards_apply_to_its_api_source():
     config = parse(
-        {"clients": {"acme": {"token": TOKEN, "forward": [{"name": "crm", "url": "http://x/"}]}}}
+        {"clients": {"acme": {"token": TOKEN, "forward": [{"name": "crm", "url": "http://x/"}]}}},
+        providers=PROVIDERS,
     )
     assert config.forwards == {"api:acme": (ForwardConfig("crm", "http://x/"),)}
 

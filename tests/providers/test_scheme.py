@@ -11,6 +11,7 @@ import pytest
 
 from webhook_receiver.config import ConfigError, parse
 from webhook_receiver.webhooks.providers import (
+    PROVIDERS,
     CloudEventsProvider,
     GenericProvider,
     SignatureError,
@@ -242,6 +243,7 @@ def test_every_option_is_accepted_together() -> None:
             dedup_key="header:X-Webhook-Id",
         ),
         "partner.toml",
+        providers=PROVIDERS,
     )
     assert parsed.sources["partner"].extra["algorithm"] == "sha512"
 
@@ -293,14 +295,14 @@ def test_timestamp_placeholder_without_its_header_is_refused_at_start_up(tmp_pat
 )
 def test_bad_scheme_options_are_refused(table, expected) -> None:
     with pytest.raises(ConfigError, match=expected) as info:
-        parse(config(**table), "partner.toml")
+        parse(config(**table), "partner.toml", providers=PROVIDERS)
     assert str(info.value).startswith("partner.toml: [sources.partner]")
 
 
 def test_scheme_options_are_not_for_other_providers() -> None:
     raw = {"sources": {"s": {"provider": "stripe", "secrets": ["whsec_x"], "algorithm": "sha1"}}}
     with pytest.raises(ConfigError, match="unknown key"):
-        parse(raw)
+        parse(raw, providers=PROVIDERS)
 
 
 def test_header_values_are_signed_as_the_bytes_sent() -> None:

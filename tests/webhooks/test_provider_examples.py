@@ -26,6 +26,7 @@ from sqlalchemy import func, select
 from webhook_receiver.config import parse
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, Rejection
+from webhook_receiver.webhooks.providers import PROVIDERS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "providers.md"
@@ -185,7 +186,7 @@ def count(app, model) -> int:
 def test_every_documented_block_is_a_valid_config() -> None:
     sources = documented_sources()
     assert set(EXAMPLES) <= set(sources)
-    parsed = parse({"sources": sources}, str(DOC))
+    parsed = parse({"sources": sources}, str(DOC), providers=PROVIDERS)
     assert parsed.sources["twitch"].extra["signed_content"] == "{id}{timestamp}{body}"
 
 

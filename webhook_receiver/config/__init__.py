@@ -39,7 +39,7 @@ from .signing import (
     SIGNED_PLACEHOLDERS,
     signed_content_parts,
 )
-from .sources import PROVIDER_NAMES, SourceConfig, parse_spec
+from .sources import SourceConfig, parse_spec
 
 __all__ = [
     "AMQP_PROPERTIES",
@@ -54,7 +54,6 @@ __all__ = [
     "MIN_RETENTION_DAYS",
     "NUMERIC_SETTINGS",
     "PER_DELIVERY",
-    "PROVIDER_NAMES",
     "SECRET_KEY_FILE",
     "SIGNED_PLACEHOLDERS",
     "BrokerSourceConfig",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from .brokers import BROKER_PROVIDERS, BrokerSourceConfig, broker_source
 from .forwards import PROCESSING_KEYS, ForwardConfig, OrderingConfig, parse_forwards, parse_ordering
 from .settings import ConfigError
-from .sources import PROVIDER_NAMES, SourceConfig, check_source_name, source_config
+from .sources import SourceConfig, check_source_name, source_config
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ class FileConfig:
         return cached
 
 
-def load_file(path: str | os.PathLike[str], *, required: bool) -> FileConfig:
+def load_file(
+    path: str | os.PathLike[str], *, required: bool, providers: Collection[str]
+) -> FileConfig:
     """Read and validate the TOML file; a missing optional file is an empty config."""
     path = str(path)
     if not Path(path).exists():
@@ -79,10 +81,12 @@ def load_file(path: str | os.PathLike[str], *, required: bool) -> FileConfig:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc}") from exc
-    return parse(raw, path)
+    return parse(raw, path, providers=providers)
 
 
-def load_for_app(settings: Mapping[str, Any], instance_path: str) -> FileConfig:
+def load_for_app(
+    settings: Mapping[str, Any], instance_path: str, *, providers: Collection[str]
+) -> FileConfig:
     """The app's file config: a test's ``RECEIVER_CONFIG`` mapping, else the TOML file.
 
     The file is ``CONFIG`` or ``WEBHOOK_RECEIVER_CONFIG`` (required to exist),
@@ -90,14 +94,18 @@ def load_for_app(settings: Mapping[str, Any], instance_path: str) -> FileConfig:
     """
     raw = settings.get("RECEIVER_CONFIG")
     if raw is not None:
-        return parse(dict(raw), "<test config>")
+        return parse(dict(raw), "<test config>", providers=providers)
     explicit = settings.get("CONFIG") or os.environ.get("WEBHOOK_RECEIVER_CONFIG")
     path = explicit or os.path.join(instance_path, "config.toml")
-    return load_file(path, required=bool(explicit))
+    return load_file(path, required=bool(explicit), providers=providers)
 
 
-def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
-    """Validate a config mapping (the TOML file's contents, or a test's dict)."""
+def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[str]) -> FileConfig:
+    """Validate a config mapping (the TOML file's contents, or a test's dict).
+
+    ``providers`` are the webhook providers a source may name: the provider
+    registry's names, which the app factory hands down.
+    """
     unknown = set(raw) - {"clients", "sources", "handlers"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
@@ -108,7 +116,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
         raise ConfigError(f"{path}: two clients share one token")
     source_tables = _tables(raw, "sources", path)
     sources = {
-        name: _source(name, table, path)
+        name: _source(name, table, path, providers)
         for name, table in source_tables.items()
         if table.get("provider") not in BROKER_PROVIDERS
     }
@@ -147,11 +155,13 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> FileConfig:
     )
 
 
-def _source(name: str, table: dict[str, Any], path: str) -> SourceConfig:
+def _source(
+    name: str, table: dict[str, Any], path: str, providers: Collection[str]
+) -> SourceConfig:
     where = f"{path}: [sources.{name}]"
     check_source_name(name, where)
-    if table.get("provider") not in PROVIDER_NAMES:
-        names = sorted(PROVIDER_NAMES | BROKER_PROVIDERS)
+    if table.get("provider") not in providers:
+        names = sorted({*providers, *BROKER_PROVIDERS})
         raise ConfigError(f"{where} provider must be one of {', '.join(names)}")
     return source_config(name, table, where)
 

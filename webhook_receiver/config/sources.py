@@ -1,4 +1,9 @@
-"""Webhook sources: the ``[sources.<name>]`` tables whose provider is a webhook provider."""
+"""Webhook sources: the ``[sources.<name>]`` tables whose provider is a webhook provider.
+
+Which providers there are is the provider registry's to say
+(``webhooks.providers.PROVIDERS``): the app factory hands its names to the
+loader, which checks a source's provider before its table is read here.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +15,6 @@ from .forwards import PROCESSING_KEYS
 from .settings import ConfigError
 from .signing import HMAC_SCHEME_KEYS, check_hmac_scheme, is_standard_secret
 
-# The providers a source may name; webhooks.providers registers one
-# implementation for each, and checks at import that the two lists agree.
-PROVIDER_NAMES = frozenset(
-    {
-        "stripe",
-        "github",
-        "gitlab",
-        "standard",
-        "shopify",
-        "slack",
-        "cloudevents",
-        "generic",
-        "paddle",
-    }
-)
 _SOURCE_KEYS = {
     "provider",
     "secrets",

@@ -3,7 +3,7 @@
 A source describes how its sender signs (``docs/providers.md``), every key
 defaulting to the original generic scheme: HMAC-SHA256, hex, of the raw body,
 in ``signature_header``, an optional ``<word>=`` prefix. The options are
-validated at start-up (``config._check_hmac_scheme``); here they are applied:
+validated at start-up (``config.signing.check_hmac_scheme``); here they are applied:
 
 - ``algorithm``: sha1, sha256 or sha512;
 - ``encoding``: hex or base64, of the digest in the header;
