@@ -20,7 +20,7 @@ from webhook_receiver import pointers
 from webhook_receiver.brokers.identify import MISSING_KEY, Delivery, Unidentified, identify
 from webhook_receiver.config import BrokerSourceConfig, parse_broker_spec, parse_spec
 from webhook_receiver.fingerprint import canonical_number
-from webhook_receiver.processing import ordering
+from webhook_receiver.outbox import ordering
 from webhook_receiver.webhooks.providers import (
     GenericProvider,
     Inbound,

@@ -23,7 +23,7 @@ from webhook_receiver.models import (
     Rejection,
     utcnow,
 )
-from webhook_receiver.processing import deliveries
+from webhook_receiver.outbox import deliveries
 from webhook_receiver.retention import purge
 
 from .conftest import CLIENTS, SECRET_KEY

@@ -136,7 +136,7 @@ def driver_errors(engine: Engine, owner: Callable[[], Any]) -> Iterator[None]:
     """Raise the driver's errors as SQLAlchemy's; on a disconnect, drop ``owner()``'s connection.
 
     Around statements sent on the driver itself, past SQLAlchemy's execution
-    (SQLite's BEGIN, inbox.driver's cursors), so that they fail as any
+    (SQLite's BEGIN, database_driver's cursors), so that they fail as any
     other statement would. ``owner()`` is a pooled connection or a Connection (None before one is
     had): what SQLAlchemy would invalidate.
     """

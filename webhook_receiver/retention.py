@@ -35,7 +35,7 @@ from .database import end_read, unit_of_work
 from .extensions import db
 from .idempotency import records
 from .models import AdminLoginFailure, Delivery, Event, Rejection
-from .processing import deliveries
+from .outbox import deliveries
 
 _events = Event.__table__
 _deliveries = Delivery.__table__

@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from webhook_receiver.database import POSTGRESQL_KEEPALIVES, is_unavailable, stall_watch
 from webhook_receiver.extensions import db
 from webhook_receiver.models import utcnow
-from webhook_receiver.processing import deliveries
+from webhook_receiver.outbox import deliveries
 from webhook_receiver.processing.worker import Worker
 
 from ..conftest import bearer

@@ -23,9 +23,9 @@ from sqlalchemy import func, insert, select, text
 from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import database, inbox
+from webhook_receiver.database_driver import DriverStatement, FastPathError
 from webhook_receiver.extensions import db
 from webhook_receiver.inbox import logs, statements
-from webhook_receiver.inbox.driver import DriverStatement, FastPathError
 from webhook_receiver.models import Delivery, Event, EventConflict
 
 from ..conftest import CLIENTS

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
-from webhook_receiver.processing import deliveries
+from webhook_receiver.outbox import deliveries
 
 from .conftest import config_with, delivery, forward, store_event
 

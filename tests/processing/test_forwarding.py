@@ -18,7 +18,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
-from webhook_receiver.processing import deliveries, forwarding, publishers, registry
+from webhook_receiver.outbox import deliveries
+from webhook_receiver.processing import forwarding, publishers, registry
 
 from ..servers import Relay, free_port
 from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event

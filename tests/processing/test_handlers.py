@@ -9,7 +9,8 @@ import pytest
 from webhook_receiver.config import ConfigError
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
-from webhook_receiver.processing import deliveries, handler, registry
+from webhook_receiver.outbox import deliveries
+from webhook_receiver.processing import handler, registry
 from webhook_receiver.processing.worker import Worker
 
 from . import handlers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import EntityVersion
-from webhook_receiver.processing import ordering
+from webhook_receiver.outbox import ordering
 
 from .conftest import FAST, config_with, delivery, drain, forward, store_event
 

@@ -106,7 +106,7 @@ def test_api_event_is_delivered_to_the_clients_forwards(make_app):
 def test_delivery_is_unique_per_event_and_consumer(make_app, clock):
     from sqlalchemy.exc import IntegrityError
 
-    from webhook_receiver.processing import deliveries
+    from webhook_receiver.outbox import deliveries
 
     app = make_app(config_with([forward("billing", "http://127.0.0.1:9/b")]))
     event_id = store_event(app, clock, dedup_key="evt-1")

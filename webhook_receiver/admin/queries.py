@@ -34,7 +34,7 @@ from ..models import (
     IdempotencyRecord,
     Rejection,
 )
-from ..processing import deliveries as delivery_states
+from ..outbox import deliveries as delivery_states
 from .paging import Cursor, Page, is_row_id, keyset_page
 
 # -- overview ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..database import unit_of_work
 from ..idempotency import records
 from ..models import utcnow
 from ..observability import metrics
-from ..processing import deliveries
+from ..outbox import deliveries
 from . import auth, paging, presenters, queries
 from .blueprint import bp
 

@@ -38,7 +38,7 @@ from nats.js.api import StreamConfig
 
 from ..config import BrokerSourceConfig, FileConfig, parse_broker_spec, subject_covers
 from ..fingerprint import JSONError, loads
-from ..processing.ordering import resolve_pointer
+from ..outbox.ordering import resolve_pointer
 
 # A quorum queue's requeues count towards its delivery limit on RabbitMQ 4.0
 # to 4.2 (20 by default), and the consumer requeues once per back-off while

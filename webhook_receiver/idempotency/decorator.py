@@ -23,9 +23,9 @@ from werkzeug.exceptions import HTTPException
 
 from .. import inbox
 from ..database import unit_of_work, untouched
+from ..database_driver import one_connection
 from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
-from ..inbox.driver import one_connection
 from ..observability import metrics
 from ..problems import Problem, problem_response
 from . import records

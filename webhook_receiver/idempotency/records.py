@@ -35,6 +35,7 @@ from ..database import (
     unit_of_work,
     writer_turn,
 )
+from ..database_driver import DriverStatement, driver_cursor, transaction_cursor
 from ..extensions import db
 from ..inbox import (
     HeldEvent,
@@ -43,7 +44,6 @@ from ..inbox import (
     forget_reserved_ids,
     receipt_binds,
 )
-from ..inbox.driver import DriverStatement, driver_cursor, transaction_cursor
 from ..inbox.statements import receive_if, reserved_id_is_current
 from ..models import IdempotencyRecord
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from sqlalchemy.engine import Connection, Engine
 
 from ..database import transaction
+from ..database_driver import driver_cursor
 from ..extensions import db
 from ..models import utcnow
 from . import duplicates
@@ -26,7 +27,6 @@ from .batch_writes import (
     write_postgresql_in_transaction,
     write_sqlite,
 )
-from .driver import driver_cursor
 from .logs import log, log_batch, log_outcome
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .rows import EventUnderKey, event_values, keep_conflicts

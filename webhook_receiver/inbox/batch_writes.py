@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import orjson
 from sqlalchemy.engine import Connection
 
-from ..processing.deliveries import new_delivery_columns
-from .driver import transaction_cursor
+from ..database_driver import transaction_cursor
+from ..outbox.deliveries import new_delivery_columns
 from .messages import Message
 from .rows import EventUnderKey, current_routes, delivery_rows
 from .statements import Statements

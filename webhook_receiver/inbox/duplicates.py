@@ -43,9 +43,9 @@ from sqlalchemy.engine import Engine
 
 from ..background import BackgroundWriter
 from ..database import transaction
+from ..database_driver import driver_cursor
 from ..extensions import db
 from ..models import Event, EventDuplicate, UTCDateTime
-from .driver import driver_cursor
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from ..database_driver import driver_cursor, transaction_cursor
 from ..extensions import db
 from ..models import utcnow
-from .driver import driver_cursor, transaction_cursor
 from .messages import Message
 from .rows import (
     current_routes,

@@ -7,10 +7,10 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from ..database import autocommit_connection, transaction, write_transaction, writer_turn
+from ..database_driver import driver_cursor
 from ..extensions import db
 from ..models import utcnow
 from . import duplicates
-from .driver import driver_cursor
 from .logs import log_delivery, log_outcome
 from .messages import Accepted, Conflict, Duplicate, Message, Outcome
 from .rows import (

@@ -19,7 +19,7 @@ from typing import Any
 from flask import current_app
 from sqlalchemy.engine import Connection
 
-from ..processing.deliveries import new_delivery_columns
+from ..outbox.deliveries import new_delivery_columns
 from .messages import Message
 from .statements import CONFLICT_COLUMNS, Statements
 

@@ -5,7 +5,7 @@ statements serve SQLite's batches, in-transaction writes and the reference
 path of the contract tests; the fast paths:
 
 - SQLite, one message: the key read and the event INSERT run on the driver
-  (:class:`~.driver.DriverStatement`), the INSERT autocommitted when the
+  (:class:`~webhook_receiver.database_driver.DriverStatement`), the INSERT autocommitted when the
   event has no deliveries to write with it.
 - PostgreSQL, one message: the read, the insert and the deliveries are one
   statement (CTEs), run on the driver in its own transaction: one round trip.
@@ -38,9 +38,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
+from ..database_driver import DriverStatement, FastPathError
 from ..models import Delivery, Event, EventConflict, UTCDateTime, utcnow
-from ..processing.deliveries import new_delivery_columns
-from .driver import DriverStatement, FastPathError
+from ..outbox.deliveries import new_delivery_columns
 
 events = Event.__table__
 deliveries = Delivery.__table__

@@ -268,7 +268,7 @@ class _DeliveryBacklog(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         from ..models import Delivery
-        from ..processing.deliveries import PENDING
+        from ..outbox.deliveries import PENDING
 
         now = datetime.now(UTC)
         try:
@@ -289,8 +289,8 @@ class _DeliveryBacklog(Collector):
 
 def watch_deliveries(app: Flask) -> None:
     """Count the worker's attempts through the processing registry's outcome hooks."""
+    from ..outbox.deliveries import DEAD
     from ..processing import registry
-    from ..processing.deliveries import DEAD
 
     m: Metrics = app.extensions[EXTENSION]
 

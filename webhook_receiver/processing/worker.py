@@ -47,8 +47,9 @@ from ..config import ConfigError
 from ..database import is_unavailable, stall_watch, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
-from . import backoff, deliveries, forwarding, ordering, publishers, registry
-from .deliveries import Claim
+from ..outbox import deliveries, ordering
+from ..outbox.deliveries import Claim
+from . import backoff, forwarding, publishers, registry
 from .handlers import PermanentFailure
 from .outcomes import DEAD, DELIVERED, LEASE_LOST, RETRY, SKIPPED, AttemptOutcome
 from .registry import Consumer

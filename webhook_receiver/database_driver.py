@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import DateTime
 from sqlalchemy.engine import Connection, Engine
 
-from ..database import driver_errors
+from .database import driver_errors
 
 
 class FastPathError(TypeError):
