@@ -110,20 +110,6 @@ def test_latency_labels_stay_bounded(app, client):
     assert value(parsed, count, endpoint="unmatched", method="GET", status="4xx") == 1
 
 
-def test_delivery_metrics_for_the_worker(app):
-    with app.test_request_context():
-        metrics.delivery_attempt("stripe-live", "crm", "delivered")
-        metrics.delivery_attempt("stripe-live", "crm", "retry")
-        metrics.delivery_attempt("stripe-live", "crm", "retry")
-        metrics.dead_letter("stripe-live", "crm")
-    registry = app.extensions[metrics.EXTENSION].registry
-    get = registry.get_sample_value
-    labels = {"source": "stripe-live", "consumer": "crm"}
-    assert get("webhook_receiver_delivery_attempts_total", {**labels, "outcome": "retry"}) == 2
-    assert get("webhook_receiver_delivery_attempts_total", {**labels, "outcome": "delivered"}) == 1
-    assert get("webhook_receiver_dead_letters_total", labels) == 1
-
-
 def test_worker_attempts_are_counted_through_the_outcome_hooks(app):
     from webhook_receiver.processing import registry
     from webhook_receiver.processing.outcomes import AttemptOutcome

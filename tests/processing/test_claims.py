@@ -108,23 +108,6 @@ def test_requeue_leaves_delivered_ones_alone(make_app, clock):
     assert delivery(app, event_id, "billing")["state"] == "delivered"
 
 
-def test_needing_attention_lists_dead_and_long_stuck(make_app, clock):
-    app = _app(make_app)
-    dead_id = store_event(app, clock, dedup_key="evt-1")
-    stuck_id = store_event(app, clock, dedup_key="evt-2")
-    with app.app_context():
-        claim = claim_next(clock(), LEASE)
-        deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
-        db.session.commit()
-        clock.advance(3600)
-        fresh_id = store_event(app, clock, dedup_key="evt-3")
-        listed = deliveries.needing_attention(clock(), timedelta(minutes=30))
-        got = sorted((d.event_id, d.state) for d in listed)
-        db.session.rollback()
-    assert got == [(dead_id, "dead"), (stuck_id, "pending")]
-    assert fresh_id not in [e for e, _ in got]
-
-
 def test_requeue_leaves_a_delivery_a_worker_has_just_claimed(make_app, clock):
     """The operator saw it stuck; a worker claimed it since: the requeue must not undo that."""
     app = _app(make_app)

@@ -168,20 +168,6 @@ def replay(source: str) -> None:
         m.replays.labels(source).inc()
 
 
-def delivery_attempt(source: str, consumer: str, outcome: str) -> None:
-    """Count one delivery attempt of a source's event to a consumer, by outcome."""
-    m = _metrics()
-    if m is not None:
-        m.delivery_attempts.labels(source, consumer, outcome).inc()
-
-
-def dead_letter(source: str, consumer: str) -> None:
-    """Count a delivery that became a dead letter."""
-    m = _metrics()
-    if m is not None:
-        m.dead_letters.labels(source, consumer).inc()
-
-
 def discarded(source: str, consumer: str, count: int = 1) -> None:
     """Count dead deliveries an operator discarded."""
     m = _metrics()

@@ -37,7 +37,6 @@ DELIVERED = "delivered"
 DEAD = "dead"
 SKIPPED = "skipped"
 DISCARDED = "discarded"
-STATES = (PENDING, IN_PROGRESS, DELIVERED, DEAD, SKIPPED, DISCARDED)
 FINAL_STATES = (DELIVERED, SKIPPED, DISCARDED)
 
 _t = Delivery.__table__
@@ -295,24 +294,6 @@ def mark_skipped(
 ) -> bool:
     """Mark the delivery skipped (if ``when`` holds); False if not, or if the lease was lost."""
     return _finish(claim, now, when, state=SKIPPED, last_error=reason, completed_at=now)
-
-
-def needing_attention(now: datetime, stuck_after: timedelta, limit: int = 100) -> list[Delivery]:
-    """Dead deliveries, and those in progress or retrying for longer than ``stuck_after``."""
-    since = now - stuck_after
-    return list(
-        db.session.scalars(
-            select(Delivery)
-            .where(
-                or_(
-                    _t.c.state == DEAD,
-                    and_(_t.c.state.in_([PENDING, IN_PROGRESS]), _t.c.created_at <= since),
-                )
-            )
-            .order_by(_t.c.updated_at.desc(), _t.c.id.desc())
-            .limit(limit)
-        )
-    )
 
 
 def _rowcount(result: Any) -> int:
