@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from webhook_receiver import config as cfg
+from webhook_receiver.brokers.runner import ADAPTERS
 from webhook_receiver.webhooks.providers import PROVIDERS
 
 URL = "amqp://guest:s3cret-pass@127.0.0.1:5672/%2F"
@@ -12,6 +13,10 @@ URL = "amqp://guest:s3cret-pass@127.0.0.1:5672/%2F"
 
 def _parse(**sources):
     return cfg.parse({"sources": sources}, "receiver.toml", providers=PROVIDERS)
+
+
+def test_every_broker_a_source_may_name_has_a_consumer():
+    assert set(ADAPTERS) == cfg.BROKER_PROVIDERS
 
 
 def test_rabbitmq_source_defaults():

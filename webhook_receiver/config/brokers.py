@@ -10,14 +10,16 @@ from .forwards import NATS_SUBJECT, PROCESSING_KEYS
 from .settings import ConfigError, redact_url
 from .sources import check_source_name, parse_spec
 
-# Broker sources are consumed by ``flask consume`` (webhook_receiver.brokers),
-# never received over HTTP, so they are kept apart from the webhook providers.
-BROKER_PROVIDERS = frozenset({"rabbitmq", "nats"})
 _BROKER_KEYS = {"provider", "url", "dedup_key", "event_type", "retention_days", *PROCESSING_KEYS}
+# Each broker's table: the keys only it reads. Its names are the brokers a
+# source may name (brokers.runner.ADAPTERS has one consumer for each).
 _BROKER_PROVIDER_KEYS = {
     "rabbitmq": frozenset({"queue", "prefetch"}),
     "nats": frozenset({"stream", "durable", "filter_subject", "dead_letter_subject", "batch"}),
 }
+# Broker sources are consumed by ``flask consume`` (webhook_receiver.brokers),
+# never received over HTTP, so they are kept apart from the webhook providers.
+BROKER_PROVIDERS = frozenset(_BROKER_PROVIDER_KEYS)
 _BROKER_DEFAULTS = {
     "rabbitmq": {"dedup_key": "property:message_id", "event_type": "property:type"},
     "nats": {"dedup_key": "header:Nats-Msg-Id", "event_type": "subject"},
