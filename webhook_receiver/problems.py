@@ -17,6 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
 from .database import is_unavailable
+from .extensions import db
 
 # slug -> (status, title)
 PROBLEM_TYPES: dict[str, tuple[int, str]] = {
@@ -148,8 +149,6 @@ def init_app(app: Flask) -> None:
     def database_error(exc: DBAPIError | PoolTimeout) -> Response:
         # A dropped connection is the database being away: say 503 so the
         # sender retries, and never claim a commit that did not happen.
-        from .extensions import db
-
         db.session.rollback()
         if is_unavailable(exc):
             app.logger.warning("database unavailable: %s", exc)

@@ -31,7 +31,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..extensions import db
+from ..models import Delivery
+from ..outbox.deliveries import DEAD, PENDING
 from ..problems import Problem
+from ..processing import registry
 
 EXTENSION = "webhook_receiver.metrics"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -253,9 +256,6 @@ class _DeliveryBacklog(Collector):
         yield GaugeMetricFamily(*self.OLDEST)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from ..models import Delivery
-        from ..outbox.deliveries import PENDING
-
         now = datetime.now(UTC)
         try:
             count, oldest = db.session.execute(
@@ -275,9 +275,6 @@ class _DeliveryBacklog(Collector):
 
 def watch_deliveries(app: Flask) -> None:
     """Count the worker's attempts through the processing registry's outcome hooks."""
-    from ..outbox.deliveries import DEAD
-    from ..processing import registry
-
     m: Metrics = app.extensions[EXTENSION]
 
     def on_attempt(outcome: Any) -> None:

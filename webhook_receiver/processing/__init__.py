@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from flask import Flask
 
+from . import registry
 from .handlers import PermanentFailure, handler
 
 __all__ = ["PermanentFailure", "handler", "init_app", "routes"]
@@ -19,15 +20,11 @@ __all__ = ["PermanentFailure", "handler", "init_app", "routes"]
 
 def init_app(app: Flask) -> None:
     """Build the app's consumer registry."""
-    from . import registry
-
     registry.init_app(app)
 
 
 def routes(app: Flask) -> Callable[[str, str | None], list[tuple[str, str]]]:
     """Name the (consumer, kind) of each delivery a new event of a source and type gets."""
-    from . import registry
-
     consumers = registry.get(app)
 
     def route(source: str, event_type: str | None) -> list[tuple[str, str]]:
