@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from webhook_receiver.brokers.identify import Delivery, content_fingerprint, identify
+from webhook_receiver.brokers.identify import BrokerMessage, content_fingerprint, identify
 from webhook_receiver.config import BrokerSourceConfig
 from webhook_receiver.fingerprint import fingerprint
 
@@ -19,7 +19,7 @@ SOURCE = BrokerSourceConfig(
 )
 
 
-def _delivery(**fields: object) -> Delivery:
+def _delivery(**fields: object) -> BrokerMessage:
     values: dict[str, object] = {
         "body": b'{"id": "evt-1"}',
         "content_type": "application/json",
@@ -27,7 +27,7 @@ def _delivery(**fields: object) -> Delivery:
         "meta": {"broker": "rabbitmq", "queue": "orders", "routing_key": "orders"},
     }
     values.update(fields)
-    return Delivery(**values)  # type: ignore[arg-type]
+    return BrokerMessage(**values)  # type: ignore[arg-type]
 
 
 def test_meta_holds_where_it_came_from_and_the_producers_properties():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -184,6 +185,7 @@ def test_key_from_a_header_or_the_body(make_app, amqp_queue, spec):
 def test_missing_queue_waits_with_one_clear_line_then_consumes(make_app, amqp_queue, caplog):
     # The queue is deleted first: the source waits for it, saying so once,
     # and consumes once it is declared again.
+    caplog.set_level(logging.INFO, logger="webhook_receiver.brokers")
     with amqp_queue.channel() as ch:
         ch.queue_delete(amqp_queue.name)
     app = _app(make_app, amqp_queue)
@@ -290,14 +292,14 @@ def test_a_pool_with_no_connection_to_lend_is_an_outage_not_a_crash(make_app, am
     # A pool timeout is SQLAlchemy's own error, not a driver's: it escaped
     # the batch's handler and stopped every consumer of the process.
     from webhook_receiver.brokers import batch
-    from webhook_receiver.brokers.identify import Delivery
+    from webhook_receiver.brokers.identify import BrokerMessage
     from webhook_receiver.extensions import db
 
     pool = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 0.2}
     app = make_app({"sources": {SOURCE: rabbit_source(amqp_queue)}}, SQLALCHEMY_ENGINE_OPTIONS=pool)
     source = app.config["FILE_CONFIG"].brokers[SOURCE]
     body, props = _message(1)
-    delivery = Delivery(body, "application/json", properties={"message_id": "msg-1"})
+    delivery = BrokerMessage(body, "application/json", properties={"message_id": "msg-1"})
     with app.app_context():
         prepared = batch.prepare(source, [delivery], lambda raw: raw)
         with db.engine.connect():  # the pool's one connection, held

@@ -10,7 +10,7 @@ dead-lettered. When the database is away or locked nothing is committed
 and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
 
 No message stops a consumer: whatever fails while one message is turned
-into a Delivery, identified or stored (but the database being away) makes
+into a BrokerMessage, identified or stored (but the database being away) makes
 that message a dead letter with its reason, and the rest of its batch goes
 on. Redeliveries' counts are written before :func:`store` returns, so a
 consumer killed outright loses at most the batch it had in hand.
@@ -33,7 +33,7 @@ from ..config import BrokerSourceConfig
 from ..database import is_unavailable, stall_watch
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome, duplicates
 from ..observability import metrics
-from .identify import CONSUMER_ERROR, Delivery, Unidentified, content_fingerprint, identify
+from .identify import CONSUMER_ERROR, BrokerMessage, Unidentified, content_fingerprint, identify
 from .outage import Outage
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Prepared(NamedTuple):
 
     # The messages to store, in the batch's order.
     messages: list[Message]
-    # Per delivery: None for the next of ``messages``, or the verdict of
+    # Per message received: None for the next of ``messages``, or the verdict of
     # one that cannot be stored (dead-lettered with its reason).
     verdicts: list[Verdict | None]
 
@@ -83,9 +83,9 @@ Raw = TypeVar("Raw")
 
 
 def prepare(
-    source: BrokerSourceConfig, raws: Sequence[Raw], to_delivery: Callable[[Raw], Delivery]
+    source: BrokerSourceConfig, raws: Sequence[Raw], to_message: Callable[[Raw], BrokerMessage]
 ) -> Prepared:
-    """Turn each raw message of a batch into a Delivery and identify it: CPU only, no database.
+    """Turn each raw message of a batch into a BrokerMessage and identify it: CPU only, no database.
 
     A consumer prepares a batch while the one before it is being stored,
     so that the two overlap. A message that cannot be read or identified,
@@ -95,7 +95,7 @@ def prepare(
     messages: list[Message] = []
     for raw in raws:
         try:
-            messages.append(identify(source, to_delivery(raw)))
+            messages.append(identify(source, to_message(raw)))
             verdicts.append(None)
         except Unidentified as exc:
             verdicts.append(Verdict(DEAD_LETTER, exc.reason, exc.detail))
@@ -106,7 +106,7 @@ def prepare(
 
 
 def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
-    """Store a prepared batch in one transaction; a verdict per delivery (needs an app context).
+    """Store a prepared batch in one transaction; a verdict per message (needs an app context).
 
     Raises DatabaseUnavailable, with nothing committed, when the database
     is away or locked.
@@ -135,7 +135,7 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
         # Before the acks: a consumer killed outright loses at most this
         # batch's counts (the ledger would otherwise hold them a while).
         duplicates.flush()
-    if len(outcomes) == len(verdicts):  # every delivery was stored: the usual batch
+    if len(outcomes) == len(verdicts):  # every message was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
     stored = iter(outcomes)
     return [v if v is not None else _verdict(next(stored)) for v in verdicts]
@@ -191,7 +191,7 @@ class Consumer:
         # The unit of work, in two steps; the benchmark's bare loop puts
         # steps that identify and store nothing.
         self.prepare: Callable[
-            [BrokerSourceConfig, Sequence[Any], Callable[[Any], Delivery]], Prepared
+            [BrokerSourceConfig, Sequence[Any], Callable[[Any], BrokerMessage]], Prepared
         ] = prepare
         self.store: Callable[[BrokerSourceConfig, Prepared], list[Verdict]] = store
         # Messages settled so far (acked or dead-lettered), for the benchmark and tests.

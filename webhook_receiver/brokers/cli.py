@@ -13,11 +13,14 @@ from ..config import ConfigError
 from ..observability import logging as log_setup
 from . import runner
 
-# pika's loggers that narrate a connection attempt's steps and failure.
-PIKA_CONNECTION_STEPS = (
+# pika's loggers that narrate a connection attempt's steps and failure, and a
+# channel the broker closed (a missing queue, on each retry): the consumer
+# says each of these once, with its cause.
+PIKA_NARRATION = (
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.utils.connection_workflow",
     "pika.adapters.blocking_connection",
+    "pika.channel",
 )
 
 
@@ -42,7 +45,7 @@ def consume_command(sources: tuple[str, ...], list_only: bool) -> None:
     # says it once per attempt, with its cause.
     for library in ("pika", "nats"):
         log_setup.adopt(library)
-    for step in PIKA_CONNECTION_STEPS:
+    for step in PIKA_NARRATION:
         logging.getLogger(step).setLevel(logging.CRITICAL)
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:

@@ -65,7 +65,7 @@ class Unidentified(Exception):
 _NONE: Mapping[str, Any] = MappingProxyType({})
 
 
-class Delivery(NamedTuple):
+class BrokerMessage(NamedTuple):
     """One message as its broker handed it over, before identification.
 
     A NamedTuple, as the inbox's Message: immutable and cheap to build.
@@ -83,31 +83,31 @@ class Delivery(NamedTuple):
     meta: Mapping[str, Any] = _NONE
 
 
-def identify(source: BrokerSourceConfig, delivery: Delivery) -> Message:
-    """Build the inbox Message of ``delivery``, or raise Unidentified."""
+def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
+    """Build the inbox Message of ``message``, or raise Unidentified."""
     key_spec, type_spec, needs_json = _specs(source.dedup_key, source.event_type, source.provider)
     parsed: Any = None
     if needs_json:
         try:
-            parsed = loads(delivery.body)
+            parsed = loads(message.body)
         except JSONError as exc:
             raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
-    key = _read(key_spec, delivery, parsed)
+    key = _read(key_spec, message, parsed)
     if not key:
         raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
-    event_type = _read(type_spec, delivery, parsed) or None
+    event_type = _read(type_spec, message, parsed) or None
     try:
         return Message.build(
             source=source.name,
             dedup_key=key,
             # Only what the producer sent decides it; delivery counters must not.
-            fingerprint=fingerprint([event_type or "", delivery.body]),
-            body=delivery.body,
+            fingerprint=fingerprint([event_type or "", message.body]),
+            body=message.body,
             event_type=event_type,
-            content_type=delivery.content_type or None,
-            headers=_headers(delivery.headers),
-            meta=_clean_meta(delivery),
-            correlation_id=_correlation_id(delivery),
+            content_type=message.content_type or None,
+            headers=_headers(message.headers),
+            meta=_clean_meta(message),
+            correlation_id=_correlation_id(message),
         )
     except Unstorable as exc:
         # PostgreSQL refuses a NUL in text and a value longer than its column,
@@ -155,15 +155,15 @@ def _specs(dedup_key: str, event_type: str, provider: str) -> tuple[_Spec, _Spec
     return key_spec, type_spec, "json" in (key_spec[0], type_spec[0])
 
 
-def _read(spec: _Spec, delivery: Delivery, parsed: Any) -> str | None:
+def _read(spec: _Spec, message: BrokerMessage, parsed: Any) -> str | None:
     kind, arg = spec
     value: Any
     if kind == "subject":
-        value = delivery.subject
+        value = message.subject
     elif kind == "property":
-        value = delivery.properties.get(arg)
+        value = message.properties.get(arg)
     elif kind == "header":
-        value = _header(delivery.headers, arg)
+        value = _header(message.headers, arg)
     else:
         value = pointers.resolve(parsed, arg)
     if value is None or isinstance(value, dict | list):
@@ -188,11 +188,11 @@ def _header(headers: Mapping[str, str | bytes], name: str) -> str | bytes | None
     return next((v for k, v in headers.items() if k.lower() == lowered), None)
 
 
-def _correlation_id(delivery: Delivery) -> str | None:
+def _correlation_id(message: BrokerMessage) -> str | None:
     value = (
-        delivery.properties.get("correlation_id")
-        or _header(delivery.headers, "X-Request-Id")
-        or _header(delivery.headers, "Correlation-Id")
+        message.properties.get("correlation_id")
+        or _header(message.headers, "X-Request-Id")
+        or _header(message.headers, "Correlation-Id")
     )
     if not value or isinstance(value, bytes) or "\x00" in value:
         return None
@@ -222,12 +222,12 @@ def binary_text(value: bytes) -> str:
     return BINARY_PREFIX + base64.b64encode(value).decode("ascii")
 
 
-def _clean_meta(delivery: Delivery) -> dict[str, Any]:
-    meta = dict(delivery.meta)
-    if delivery.properties:
+def _clean_meta(message: BrokerMessage) -> dict[str, Any]:
+    meta = dict(message.meta)
+    if message.properties:
         meta["properties"] = {
             name: binary_text(value) if isinstance(value, bytes) else value
-            for name, value in delivery.properties.items()
+            for name, value in message.properties.items()
         }
     # Looked for in orjson's text, at C speed (a NUL is always escaped
     # there); the walk replaces them only where one may be. What orjson

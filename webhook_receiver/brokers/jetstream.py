@@ -34,7 +34,7 @@ import nats.protocol.parser
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from . import batch
-from .identify import MALFORMED, Delivery, Unidentified
+from .identify import MALFORMED, BrokerMessage, Unidentified
 from .outage import SourceNotReady
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ class JetStreamConsumer(batch.Consumer):
         self.settled += len(messages) - retried
 
     def _store(self, raws: list[_Raw]) -> list[batch.Verdict]:
-        prepared = self.prepare(self.source, raws, self._delivery)
+        prepared = self.prepare(self.source, raws, self._broker_message)
         with self.app.app_context():
             return self.store(self.source, prepared)
 
@@ -452,12 +452,12 @@ class JetStreamConsumer(batch.Consumer):
             return False
         return True
 
-    def _delivery(self, raw: _Raw) -> Delivery:
+    def _broker_message(self, raw: _Raw) -> BrokerMessage:
         message, malformed = raw
         if malformed is not None:
             raise Unidentified(MALFORMED, malformed)
         headers = dict(message.headers or {})
-        return Delivery(
+        return BrokerMessage(
             body=message.data,
             content_type=headers.get("Content-Type"),
             headers=headers,

@@ -37,7 +37,14 @@ from flask import Flask
 
 from ..config import AMQP_PROPERTIES, BrokerSourceConfig
 from . import batch
-from .identify import MALFORMED, MAX_TABLE_DEPTH, Delivery, Unidentified, binary_text, exact_text
+from .identify import (
+    MALFORMED,
+    MAX_TABLE_DEPTH,
+    BrokerMessage,
+    Unidentified,
+    binary_text,
+    exact_text,
+)
 from .outage import SourceNotReady
 
 log = logging.getLogger(__name__)
@@ -190,7 +197,7 @@ class RabbitConsumer(batch.Consumer):
                     taken = pending[: self.source.batch]
                     del pending[: self.source.batch]
                     first_at = time.monotonic() if pending else None
-                    ready = (taken, self.prepare(self.source, taken, _delivery_of(self.source)))
+                    ready = (taken, self.prepare(self.source, taken, _reader_of(self.source)))
                     continue
                 # A stored batch wakes this wait (see _submit). With a batch
                 # prepared, nothing more is taken until then: a timeout
@@ -268,11 +275,11 @@ class RabbitConsumer(batch.Consumer):
         return True
 
 
-def _delivery_of(source: BrokerSourceConfig) -> Any:
-    """The function that turns one of ``source``'s raw messages into a Delivery."""
+def _reader_of(source: BrokerSourceConfig) -> Any:
+    """The function that turns one of ``source``'s raw messages into a BrokerMessage."""
     queue = source.queue
 
-    def delivery(raw: Raw) -> Delivery:
+    def read(raw: Raw) -> BrokerMessage:
         method, props, body = raw
         if getattr(props, "undecodable", None):
             raise Unidentified(MALFORMED, props.undecodable)
@@ -289,7 +296,7 @@ def _delivery_of(source: BrokerSourceConfig) -> Any:
             else {}
         )
         content_type = props.content_type
-        return Delivery(
+        return BrokerMessage(
             body=body,
             content_type=None if content_type is None else exact_text(content_type, "content_type"),
             headers=headers,
@@ -302,7 +309,7 @@ def _delivery_of(source: BrokerSourceConfig) -> Any:
             },
         )
 
-    return delivery
+    return read
 
 
 def _header_value(value: Any) -> str | bytes:
