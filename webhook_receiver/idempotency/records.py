@@ -162,14 +162,14 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
         row = cursor.execute(statement.sql, params).fetchone()
     if row is None:
         return None
-    stored = _Stored(
+    stored = _FoundRecord(
         *[value if p is None else p(value) for p, value in zip(processors, row, strict=True)]
     )
     return _answer(stored, req, now)
 
 
 @dataclass(frozen=True)
-class _Stored:
+class _FoundRecord:
     """A record as ``find`` reads it (the columns of ``_LOOKUP``)."""
 
     id: int
