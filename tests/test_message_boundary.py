@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from webhook_receiver.brokers.identify import PAYLOAD_INVALID, Delivery, Unidentified, identify
+from webhook_receiver.brokers.identify import PAYLOAD_INVALID, BrokerMessage, Unidentified, identify
 from webhook_receiver.config import BrokerSourceConfig
 from webhook_receiver.inbox import Message
 from webhook_receiver.inbox.messages import (
@@ -90,11 +90,11 @@ BROKER = BrokerSourceConfig(
 @pytest.mark.parametrize(
     "delivery",
     [
-        Delivery(body=b"{}", properties={"message_id": "k" * (KEY_LENGTH + 1)}),
-        Delivery(body=b"{}", properties={"message_id": "k\x00"}),
-        Delivery(body=b"{}", properties={"message_id": "k", "type": "t" * 256}),
-        Delivery(body=b"{}", properties={"message_id": "k"}, content_type="x" * 256),
-        Delivery(body=b"{}", properties={"message_id": "k"}, content_type="a/b\x00"),
+        BrokerMessage(body=b"{}", properties={"message_id": "k" * (KEY_LENGTH + 1)}),
+        BrokerMessage(body=b"{}", properties={"message_id": "k\x00"}),
+        BrokerMessage(body=b"{}", properties={"message_id": "k", "type": "t" * 256}),
+        BrokerMessage(body=b"{}", properties={"message_id": "k"}, content_type="x" * 256),
+        BrokerMessage(body=b"{}", properties={"message_id": "k"}, content_type="a/b\x00"),
     ],
 )
 def test_a_broker_message_over_a_limit_is_dead_lettered_as_payload_invalid(delivery):
@@ -106,7 +106,7 @@ def test_a_broker_message_over_a_limit_is_dead_lettered_as_payload_invalid(deliv
 def test_a_broker_json_key_over_the_limit_is_payload_invalid():
     source = replace(BROKER, dedup_key="json:/id")
     with pytest.raises(Unidentified) as refused:
-        identify(source, Delivery(body=b'{"id": "%s"}' % (b"k" * 513)))
+        identify(source, BrokerMessage(body=b'{"id": "%s"}' % (b"k" * 513)))
     assert refused.value.reason == PAYLOAD_INVALID
 
 

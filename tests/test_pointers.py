@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from werkzeug.datastructures import Headers
 
 from webhook_receiver import pointers
-from webhook_receiver.brokers.identify import MISSING_KEY, Delivery, Unidentified, identify
+from webhook_receiver.brokers.identify import MISSING_KEY, BrokerMessage, Unidentified, identify
 from webhook_receiver.config import BrokerSourceConfig, parse_broker_spec, parse_spec
 from webhook_receiver.fingerprint import canonical_number
 from webhook_receiver.outbox import ordering
@@ -125,7 +125,7 @@ def _webhook_key(document, pointer):
 def _broker_key(document, pointer):
     source = replace(BROKER, dedup_key=f"json:{pointer}")
     try:
-        return identify(source, Delivery(body=json.dumps(document).encode())).dedup_key
+        return identify(source, BrokerMessage(body=json.dumps(document).encode())).dedup_key
     except Unidentified as exc:
         assert exc.reason == MISSING_KEY, exc
         return None
