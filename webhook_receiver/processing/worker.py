@@ -141,6 +141,9 @@ class Worker:
                 slots.start()
                 try:
                     while slots.wait_for_a_free_thread(self._stop):
+                        # Idle as the claim looks: a delivery that finishes after
+                        # it may leave a retry due, and draining must not miss it.
+                        was_idle = slots.idle()
                         try:
                             claim = self._claim(slots.busy())
                             pause = self.poll_seconds
@@ -152,7 +155,7 @@ class Worker:
                             continue
                         if claim is not None:
                             slots.submit(claim)
-                        elif drain and slots.idle():
+                        elif drain and was_idle:
                             break
                         else:
                             # Nothing due, or only for busy targets: wait for
