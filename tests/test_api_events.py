@@ -2,34 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
-from sqlalchemy import func, select
-
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, IdempotencyRecord
 
 from .conftest import GLOBEX_TOKEN, bearer
-
-
-def post_event(client, key="key-1", body=None, token=None, headers=None, **kwargs):
-    all_headers = {**(bearer(token) if token else bearer()), "Idempotency-Key": key}
-    all_headers.update(headers or {})
-    if body is None:
-        body = {"type": "order.created", "data": {"order": 42}}
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return client.post(
-        "/api/events",
-        data=data,
-        headers=all_headers,
-        content_type=kwargs.pop("content_type", "application/json"),
-        **kwargs,
-    )
-
-
-def count(app, model=Event):
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(model))
+from .helpers import count, post_event
 
 
 def test_create_event_stores_and_answers_201(app, client):

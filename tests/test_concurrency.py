@@ -14,11 +14,12 @@ import pytest
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine
 
-from webhook_receiver.models import Event, IdempotencyRecord
+from webhook_receiver.models import IdempotencyRecord
 
 from .conftest import ACME_TOKEN
+from .helpers import count_at
 from .servers import gunicorn
 
 pytestmark = pytest.mark.slow
@@ -31,15 +32,6 @@ BODY = {"type": "order.created", "data": {"order": 42, "lines": [1, 2, 3]}}
 def workers_for(db_url: str) -> int:
     # SQLite serialises writers; two workers are what it is configured for.
     return 2 if db_url.startswith("sqlite") else 4
-
-
-def count(db_url: str, model: type = Event) -> int:
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.scalar(select(func.count()).select_from(model.__table__))
-    finally:
-        engine.dispose()
 
 
 def headers(key: str) -> dict[str, str]:
@@ -100,8 +92,8 @@ def test_concurrent_identical_requests_store_one_event(db_url, tmp_path):
             assert r.headers["Content-Type"] == "application/problem+json"
             assert r.json()["type"] == "/problems/idempotency-key-in-use"
             assert int(r.headers["Retry-After"]) >= 1
-    assert count(db_url) == 1
-    assert count(db_url, IdempotencyRecord) == 1
+    assert count_at(db_url) == 1
+    assert count_at(db_url, IdempotencyRecord) == 1
 
 
 def test_concurrent_distinct_keys_store_one_event_each(db_url, tmp_path):
@@ -115,8 +107,8 @@ def test_concurrent_distinct_keys_store_one_event_each(db_url, tmp_path):
     assert [r.status_code for r in responses] == [201] * N, log
     assert not any("Idempotent-Replayed" in r.headers for r in responses)
     assert len({r.json()["id"] for r in responses}) == N
-    assert count(db_url) == N
-    assert count(db_url, IdempotencyRecord) == N
+    assert count_at(db_url) == N
+    assert count_at(db_url, IdempotencyRecord) == N
 
 
 # -- a retry by a real client library ---------------------------------------
@@ -259,8 +251,8 @@ def test_urllib3_retry_after_a_lost_response_creates_one_event(db_url, tmp_path)
     assert doc["data"] == BODY["data"]
     assert event.status_code == 200
     assert event.json()["id"] == doc["id"]
-    assert count(db_url) == 1
-    assert count(db_url, IdempotencyRecord) == 1
+    assert count_at(db_url) == 1
+    assert count_at(db_url, IdempotencyRecord) == 1
 
 
 @contextmanager
@@ -311,5 +303,5 @@ def test_urllib3_retry_after_a_client_timeout_waits_out_the_in_flight_original(d
     # commit holds the key and the others replay it. The one we waited for
     # may be any of them.
     assert response.json()["data"] == BODY["data"]
-    assert count(db_url) == 1
-    assert count(db_url, IdempotencyRecord) == 1
+    assert count_at(db_url) == 1
+    assert count_at(db_url, IdempotencyRecord) == 1

@@ -15,7 +15,7 @@ from unittest.mock import patch
 
 import pytest
 from flask import Blueprint, abort, g, jsonify, make_response
-from sqlalchemy import func, insert, select
+from sqlalchemy import insert, select
 
 from webhook_receiver import idempotency
 from webhook_receiver.api.auth import require_client
@@ -27,6 +27,7 @@ from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 from webhook_receiver.problems import Problem
 
 from .conftest import bearer
+from .helpers import count, post_event
 from .rows import event_row
 
 calls: list[str] = []
@@ -112,17 +113,9 @@ def app(request, make_app):
 
 
 def post(client, path, key="k1", body=None, **headers):
-    return client.post(
-        path,
-        data=json.dumps(body if body is not None else {"a": 1}),
-        content_type="application/json",
-        headers={**bearer(), "Idempotency-Key": key, **headers},
+    return post_event(
+        client, key, body if body is not None else {"a": 1}, headers=headers, path=path
     )
-
-
-def events(app) -> int:
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(Event))
 
 
 def record(app, key="k1", client="acme"):
@@ -156,7 +149,7 @@ def test_replay_is_exact_and_filters_unsafe_headers(app, client):
     assert second.headers["X-Custom"] == "kept"
     assert "Set-Cookie" not in second.headers
     assert "Cache-Control" not in second.headers
-    assert events(app) == 1
+    assert count(app) == 1
 
 
 def test_mismatch_is_422_without_executing(app, client):
@@ -210,7 +203,7 @@ def test_expired_lease_of_a_crashed_holder_is_taken_over(app, client):
 def test_exception_rolls_back_and_releases_the_key(app, client):
     response = post(client, "/t/raise")
     assert response.status_code == 500
-    assert events(app) == 0
+    assert count(app) == 0
     assert record(app) is None
     again = post(client, "/t/raise")
     assert again.status_code == 500
@@ -219,7 +212,7 @@ def test_exception_rolls_back_and_releases_the_key(app, client):
 
 def test_5xx_rolls_back_and_releases_the_key(app, client):
     assert post(client, "/t/500").status_code == 503
-    assert events(app) == 0
+    assert count(app) == 0
     assert record(app) is None
     post(client, "/t/500")
     assert calls == ["500", "500"]
@@ -254,7 +247,7 @@ def test_expired_record_counts_as_absent(make_app):
     assert response.status_code == 201
     assert "Idempotent-Replayed" not in response.headers
     assert calls == ["ok", "ok"]
-    assert events(app) == 2
+    assert count(app) == 2
 
 
 def test_purge_deletes_expired_records_in_batches(app, client, runner):
@@ -302,12 +295,12 @@ def test_same_key_two_clients_two_records(app, client):
 def test_a_view_that_writes_then_refuses_keeps_none_of_its_writes(app, client):
     first = post(client, "/t/write-then-problem")
     assert first.status_code == 400
-    assert events(app) == 0
+    assert count(app) == 0
     again = post(client, "/t/write-then-problem")
     assert again.status_code == 400
     assert again.headers["Idempotent-Replayed"] == "true"
     assert calls == ["write-then-problem"]
-    assert events(app) == 0
+    assert count(app) == 0
 
 
 def test_same_key_and_body_on_another_path_is_a_mismatch(app, client):
@@ -317,7 +310,7 @@ def test_same_key_and_body_on_another_path_is_a_mismatch(app, client):
     assert response.status_code == 422
     assert response.get_json()["type"] == "/problems/idempotency-key-reused"
     assert calls == ["ok"]
-    assert events(app) == 1
+    assert count(app) == 1
 
 
 def test_two_phase_holder_that_lost_its_lease_is_fenced(make_app):
@@ -345,7 +338,7 @@ def test_two_phase_holder_that_lost_its_lease_is_fenced(make_app):
     assert response.status_code == 409
     assert response.get_json()["type"] == "/problems/idempotency-lease-lost"
     assert response.headers["Retry-After"] == "1"
-    assert events(app) == 0  # its writes went with its answer
+    assert count(app) == 0  # its writes went with its answer
     rec = record(app, "slow")
     assert (rec.state, rec.lease_token, rec.response_status) == (IN_PROGRESS, fresh.token, None)
 
@@ -355,7 +348,7 @@ def test_two_phase_holder_that_lost_its_lease_is_fenced(make_app):
         assert run_claimed(req, fresh, view, (), {}).status_code == 201
     rec = record(app, "slow")
     assert (rec.state, rec.lease_token, rec.response_status) == (COMPLETED, None, 201)
-    assert events(app) == 1
+    assert count(app) == 1
     assert post(app.test_client(), "/t/ok", key="slow").headers["Idempotent-Replayed"] == "true"
 
 
@@ -410,7 +403,7 @@ def test_a_speculative_view_runs_a_new_key_without_reading_it(speculative_app):
     assert response.status_code == 201
     assert find.call_count == 0
     assert calls == ["spec"]
-    assert (events(speculative_app), record(speculative_app, "new").state) == (1, COMPLETED)
+    assert (count(speculative_app), record(speculative_app, "new").state) == (1, COMPLETED)
 
 
 def test_a_retry_of_a_speculative_view_rolls_its_run_back_and_replays(speculative_app):
@@ -422,7 +415,7 @@ def test_a_retry_of_a_speculative_view_rolls_its_run_back_and_replays(speculativ
     # with the failed claim; the answer is the saved one, read afterwards.
     assert calls == ["spec", "spec"]
     assert find.call_count == 1
-    assert events(speculative_app) == 1
+    assert count(speculative_app) == 1
     assert retry.status_code == 201
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.get_data() == first.get_data()
@@ -434,7 +427,7 @@ def test_a_speculative_view_given_another_body_under_the_key_is_422(speculative_
     refused = post(client, "/t/spec", key="k", body={"a": 2})
     assert refused.status_code == 422
     assert refused.get_json()["type"] == "/problems/idempotency-key-reused"
-    assert events(speculative_app) == 1
+    assert count(speculative_app) == 1
 
 
 def test_a_speculative_view_reads_first_again_once_retries_are_common(speculative_app):
@@ -449,7 +442,7 @@ def test_a_speculative_view_reads_first_again_once_retries_are_common(speculativ
     for _ in range(5):
         assert post(client, "/t/spec", key="k").headers["Idempotent-Replayed"] == "true"
     assert len(calls) == runs  # now each retry is answered by its read alone
-    assert events(speculative_app) == 1
+    assert count(speculative_app) == 1
     # New keys bring the share back down, and the view runs at once again.
     for i in range(60):
         assert post(client, "/t/spec", key=f"new-{i}").status_code == 201
@@ -477,7 +470,7 @@ def test_a_retry_whose_speculative_run_fails_gets_the_saved_answer(speculative_a
     assert retry.status_code == 201
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.get_data() == first.get_data()
-    assert events(speculative_app) == 1
+    assert count(speculative_app) == 1
 
 
 def test_a_new_key_whose_speculative_run_fails_answers_the_failure(speculative_app):
@@ -486,4 +479,4 @@ def test_a_new_key_whose_speculative_run_fails_answers_the_failure(speculative_a
     response = post(client, "/t/spec-fails-after-the-first", key="fresh")
     assert response.status_code == 500
     assert record(speculative_app, "fresh") is None  # the key stays free for the retry
-    assert events(speculative_app) == 0
+    assert count(speculative_app) == 0

@@ -14,7 +14,6 @@ after its record is written and before anything commits.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -36,21 +35,13 @@ from webhook_receiver.idempotency import records
 from webhook_receiver.idempotency.records import COMPLETED
 from webhook_receiver.models import Event, IdempotencyRecord
 
-from .conftest import CLIENTS, SECRET_KEY, bearer
+from .conftest import CLIENTS, SECRET_KEY
+from .helpers import post_event
 from .servers import ROOT, wait_until
 
 BODY = {"type": "order.created", "data": {"order": 42}}
 OTHER_BODY = {"type": "order.created", "data": {"order": 43}}
 WAIT = 20  # seconds any step may take before the test gives up on it
-
-
-def post(app: Flask, key: str, body: dict[str, Any] = BODY) -> Any:
-    return app.test_client().post(
-        "/api/events",
-        data=json.dumps(body),
-        content_type="application/json",
-        headers={**bearer(), "Idempotency-Key": key},
-    )
 
 
 def stored(app: Flask) -> tuple[int, list[tuple[str, str]]]:
@@ -146,7 +137,7 @@ def crash_after_the_event_insert(db_url: str, key: str) -> None:
             os._exit(17)  # no rollback, no close: the process is gone mid-transaction
 
     with after_each_write(die):
-        post(app, key)
+        post_event(app.test_client(), key)
     os._exit(0)  # pragma: no cover (the request did not reach its event)
 
 
@@ -167,7 +158,7 @@ def test_a_process_dying_mid_transaction_leaves_the_key_free(app, db_url):
     assert crashed.returncode == 17, crashed.stderr.decode()
     assert stored(app) == (0, [])
 
-    retry = post(app, "crash-key")
+    retry = post_event(app.test_client(), "crash-key")
     assert retry.status_code == 201
     assert "Idempotent-Replayed" not in retry.headers
     assert stored(app) == (1, [("crash-key", COMPLETED)])
@@ -245,7 +236,7 @@ def post_and_wait(db_url: str, key: str) -> None:
             "RECEIVER_CONFIG": {"clients": CLIENTS},
         }
     )
-    post(app, key)
+    post_event(app.test_client(), key)
 
 
 def test_a_process_killed_inside_its_one_statement_leaves_all_or_nothing(app, db_url):
@@ -279,7 +270,7 @@ def test_a_process_killed_inside_its_one_statement_leaves_all_or_nothing(app, db
     # One statement: the record and the event together, or neither.
     assert wait_until(lambda: stored(app) in [(0, []), (1, [("killed-key", COMPLETED)])])
     before = stored(app)
-    retry = post(app, "killed-key")
+    retry = post_event(app.test_client(), "killed-key")
     assert retry.status_code == 201
     # The retry answers from what was committed: the saved answer, or a first run.
     replayed = retry.headers.get("Idempotent-Replayed") == "true"
@@ -293,7 +284,7 @@ def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, d
     app = make_app(PROPAGATE_EXCEPTIONS=False)
     pool = ThreadPoolExecutor(1)
     with StatementGate(db_url) as gate:
-        first = pool.submit(post, app, "cut-key")
+        first = pool.submit(post_event, app.test_client(), "cut-key")
         # Its statement has written the record and waits at its event.
         assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
         # The server ends the backend (as a failover or an operator would),
@@ -307,7 +298,7 @@ def test_a_connection_terminated_mid_transaction_leaves_the_key_free(make_app, d
     assert answer.mimetype == "application/problem+json"
     assert stored(app) == (0, [])
 
-    retry = post(app, "cut-key")
+    retry = post_event(app.test_client(), "cut-key")
     assert retry.status_code == 201
     assert "Idempotent-Replayed" not in retry.headers
     assert stored(app) == (1, [("cut-key", COMPLETED)])
@@ -344,7 +335,7 @@ def start(pool: ThreadPoolExecutor, app: Flask, key: str, body: dict[str, Any], 
     def send() -> Any:
         paused.thread = threading.get_ident()
         ready.set()
-        return post(app, key, body)
+        return post_event(app.test_client(), key, body)
 
     future = pool.submit(send)
     assert ready.wait(WAIT)
@@ -411,10 +402,10 @@ def _race_inside_the_statement(
 ) -> tuple[Future[Any], Future[Any]]:
     pool = ThreadPoolExecutor(2)
     with StatementGate(db_url) as gate:
-        first = pool.submit(post, app, key, BODY)
+        first = pool.submit(post_event, app.test_client(), key, BODY)
         # The first's statement has written its record and waits at its event.
         assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
-        second = pool.submit(post, app, key, second_body)
+        second = pool.submit(post_event, app.test_client(), key, second_body)
         # The second read the key (nothing committed: it saw nothing) or,
         # speculative, did not; it ran the view, and its statement waits on
         # the first's row in the record's unique index.
@@ -453,10 +444,10 @@ def test_waiting_past_the_lock_timeout_is_409_with_retry_after(make_app, db_url)
     app = make_app(IDEMPOTENCY_LOCK_TIMEOUT_SECONDS=0.05)
     pool = ThreadPoolExecutor(1)
     with StatementGate(db_url) as gate:
-        first = pool.submit(post, app, "slow-key")
+        first = pool.submit(post_event, app.test_client(), "slow-key")
         assert wait_until(lambda: lock_waits(db_url) == 1, timeout=WAIT)
         # The first holds its uncommitted record for as long as this takes.
-        waited = post(app, "slow-key")
+        waited = post_event(app.test_client(), "slow-key")
         gate.release()
         assert first.result(WAIT).status_code == 201
     pool.shutdown()
@@ -467,6 +458,6 @@ def test_waiting_past_the_lock_timeout_is_409_with_retry_after(make_app, db_url)
     assert waited.headers["Retry-After"] == "1"
     # Its event went with its transaction; its retry replays the first's answer.
     assert stored(app) == (1, [("slow-key", COMPLETED)])
-    retry = post(app, "slow-key")
+    retry = post_event(app.test_client(), "slow-key")
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.get_data() == first.result().get_data()

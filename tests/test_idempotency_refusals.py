@@ -25,7 +25,6 @@ from unittest.mock import patch
 import pytest
 from flask import Blueprint, Flask, request
 from flask.testing import FlaskClient
-from sqlalchemy import func, select
 from werkzeug.exceptions import UnsupportedMediaType
 
 from webhook_receiver.api.auth import require_client
@@ -35,6 +34,7 @@ from webhook_receiver.models import Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 
 from .conftest import bearer
+from .helpers import count, post_event
 from .rows import event_row
 
 LIMIT = 4096
@@ -128,25 +128,13 @@ def post(
     content_type: str = JSON,
     **kwargs: Any,
 ) -> Any:
-    body = json.dumps(GOOD).encode() if data is None else data
-    if not isinstance(body, bytes):
-        body = json.dumps(body).encode()
-    return client.post(
-        path,
-        data=body,
-        content_type=content_type,
-        headers={**bearer(), "Idempotency-Key": key},
-        **kwargs,
-    )
+    body = GOOD if data is None else data
+    return post_event(client, key, body, path=path, content_type=content_type, **kwargs)
 
 
 def stored(app: Flask) -> tuple[int, int]:
     """The number of events and of idempotency records (claims included)."""
-    with app.app_context():
-        events = db.session.execute(select(func.count()).select_from(Event)).scalar_one()
-        keys = db.session.execute(select(func.count()).select_from(IdempotencyRecord)).scalar_one()
-        db.session.rollback()
-    return events, keys
+    return count(app), count(app, IdempotencyRecord)
 
 
 def the_corrected_request_gets_its_201(app: Flask, client: FlaskClient, path: str) -> None:

@@ -20,6 +20,7 @@ from werkzeug.test import EnvironBuilder
 from webhook_receiver.problems import PROBLEM_JSON, PROBLEM_TYPES
 
 from .conftest import ACME_TOKEN, CLIENTS, GLOBEX_TOKEN, bearer
+from .helpers import post_event
 from .webhooks.signing import GENERIC_SECRET, SLACK_SECRET, hmac_hex, slack_delivery
 
 SOURCES = {
@@ -84,14 +85,6 @@ def _signed(payload: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
     return body, {"Content-Type": "application/json", "X-Signature": "sha256=" + hmac_hex(body)}
 
 
-def _post_event(api, key: str, payload: Any, token: str = ACME_TOKEN) -> Any:
-    return api.post(
-        "/api/events",
-        data=json.dumps(payload),
-        headers={**bearer(token), "Idempotency-Key": key, "Content-Type": "application/json"},
-    )
-
-
 def test_the_document_is_openapi_3_1_and_lists_every_problem_type(spec, api):
     doc = api.get("/openapi.json").get_json()
     assert doc["openapi"] == "3.1.0"
@@ -102,11 +95,11 @@ def test_the_document_is_openapi_3_1_and_lists_every_problem_type(spec, api):
 
 
 def test_api_event_created_replayed_read_and_refused_match_the_document(spec, api):
-    created = checked(spec, _post_event(api, "order-42", {"type": "order.created", "data": 42}))
+    created = checked(spec, post_event(api, "order-42", {"type": "order.created", "data": 42}))
     assert created.status_code == 201
-    replay = checked(spec, _post_event(api, "order-42", {"type": "order.created", "data": 42}))
+    replay = checked(spec, post_event(api, "order-42", {"type": "order.created", "data": 42}))
     assert replay.headers["Idempotent-Replayed"] == "true"
-    reused = checked(spec, _post_event(api, "order-42", {"type": "order.created", "data": 43}))
+    reused = checked(spec, post_event(api, "order-42", {"type": "order.created", "data": 43}))
     assert reused.status_code == 422
     location = created.headers["Location"]
     assert checked(spec, api.get(location, headers=bearer())).status_code == 200
@@ -196,7 +189,7 @@ def test_a_browser_following_a_problem_type_gets_a_readable_page(api):
 
 
 def test_a_problem_answer_links_to_its_description(api):
-    refused = _post_event(api, "", {"type": "t", "data": 1})
+    refused = post_event(api, "", {"type": "t", "data": 1})
     described = api.get(refused.get_json()["type"])
     assert described.status_code == 200
     assert described.get_json()["status"] == refused.status_code

@@ -17,12 +17,11 @@ from contextlib import ExitStack
 
 import pytest
 import requests
-from sqlalchemy import create_engine, func, select
 
 from bench.front import nginx
-from webhook_receiver.models import Event
 
 from .conftest import ACME_TOKEN
+from .helpers import count_at
 from .servers import gunicorn
 from .webhooks import signing as s
 
@@ -63,15 +62,6 @@ def slow_client(url: str, n: int) -> socket.socket:
     return sock
 
 
-def stored_events(db_url: str) -> int:
-    engine = create_engine(db_url)
-    try:
-        with engine.connect() as conn:
-            return conn.scalar(select(func.count()).select_from(Event.__table__))
-    finally:
-        engine.dispose()
-
-
 def test_probes_and_deliveries_are_served_while_slow_clients_dribble(front, db_url) -> None:
     with ExitStack() as stack:
         for n in range(SLOW_CLIENTS):
@@ -89,7 +79,7 @@ def test_probes_and_deliveries_are_served_while_slow_clients_dribble(front, db_u
         )
         assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
         assert again.json() == first.json()
-    assert stored_events(db_url) == 1
+    assert count_at(db_url) == 1
 
 
 def test_a_chunked_delivery_arrives_whole_through_the_front(front, db_url) -> None:
@@ -100,7 +90,7 @@ def test_a_chunked_delivery_arrives_whole_through_the_front(front, db_url) -> No
         front + "/webhooks/stripe-live", data=pieces, headers=headers, timeout=10
     )
     assert response.status_code == 200, response.text
-    assert stored_events(db_url) == 1
+    assert count_at(db_url) == 1
 
 
 def test_an_oversized_body_is_refused_by_the_app_in_problem_json(front) -> None:

@@ -20,6 +20,7 @@ from webhook_receiver.idempotency import records
 from webhook_receiver.models import Event
 
 from .conftest import CLIENTS, SECRET_KEY, bearer
+from .helpers import count
 from .webhooks import signing as s
 
 # Another process that holds the turn until told to let go.
@@ -89,11 +90,6 @@ def probe(path: str) -> str:
     ).stdout.strip()
 
 
-def events(app) -> int:
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(Event))
-
-
 def deliver(client, event_id: str):
     body, headers = s.stripe_delivery({"id": event_id, "type": "invoice.paid", "data": {}})
     return client.post("/webhooks/stripe-live", data=body, headers=headers)
@@ -107,11 +103,11 @@ def test_a_write_waits_for_the_turn_and_gives_up_as_a_locked_database(sqlite_app
         refused = deliver(client, "evt_1")
         assert refused.status_code == 503
         assert refused.json["type"].endswith("/problems/database-unavailable")
-        assert events(app) == 0
+        assert count(app) == 0
         # Reads need no turn.
         assert client.get("/readyz").status_code == 200
     assert deliver(client, "evt_1").status_code == 200
-    assert events(app) == 1
+    assert count(app) == 1
     assert probe(lock_path(app)) == "free"
 
 
@@ -134,7 +130,7 @@ def test_a_write_inside_a_turn_goes_through(make_app, db_url, tmp_path):
     with app.app_context():
         with database.writer_turn():
             assert deliver(app.test_client(), "evt_1").status_code == 200
-    assert events(app) == 1
+    assert count(app) == 1
     locks = list(Path(tmp_path).glob("*-writers.lock"))
     assert len(locks) == (1 if db_url.startswith("sqlite") else 0)
 
@@ -213,7 +209,7 @@ def test_a_unit_of_work_takes_the_turn_at_its_first_statement_and_keeps_it_to_th
         with database.unit_of_work():
             assert probe(path) == "taken"
         assert probe(path) == "free"
-    assert events(sqlite_app) == 1
+    assert count(sqlite_app) == 1
 
 
 def new_event(key: str) -> dict:
@@ -239,4 +235,4 @@ def test_a_refused_begin_is_sqlalchemys_error_and_the_session_recovers(sqlite_ap
         # The pool's reset rolled that connection back: a unit of work still commits.
         with database.unit_of_work():
             db.session.add(Event(**new_event("evt_after_refused_begin")))
-    assert events(sqlite_app) == 1
+    assert count(sqlite_app) == 1

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from ..conftest import bearer
+from ..helpers import post_event
 from .conftest import conflict, event, text
 
-
-def _post(client, key: str, data: object = 1):
-    return client.post(
-        "/api/events",
-        data=json.dumps({"type": "order.created", "data": data}),
-        content_type="application/json",
-        headers={**bearer(), "Idempotency-Key": key},
-    )
+EVENT = {"type": "order.created", "data": 1}
 
 
 def _listed(response) -> list[int]:
@@ -24,8 +17,8 @@ def _listed(response) -> list[int]:
 
 def test_an_api_event_is_found_by_the_idempotency_key_its_client_sent(admin, admin_app):
     api = admin_app.test_client()
-    created = _post(api, "order-42").get_json()["id"]
-    _post(api, "order-43")
+    created = post_event(api, "order-42", EVENT).get_json()["id"]
+    post_event(api, "order-43", EVENT)
     # A webhook event whose dedup key happens to be the same text is found too.
     webhook = event(admin_app, source="stripe", dedup_key="order-42")
     page = admin.get("/admin/events?q=order-42")
@@ -41,7 +34,7 @@ def test_an_idempotency_key_is_not_matched_in_webhook_events_meta(admin, admin_a
 
 
 def test_the_api_event_page_shows_the_idempotency_key_as_its_key(admin, admin_app):
-    created = _post(admin_app.test_client(), "order-42").get_json()["id"]
+    created = post_event(admin_app.test_client(), "order-42", EVENT).get_json()["id"]
     page = text(admin.get(f"/admin/events/{created}"))
     assert re.search(r'<dt>Idempotency-Key</dt><dd class="mono" id="key">order-42</dd>', page)
     assert "<dt>Stored key</dt>" in page
@@ -49,12 +42,12 @@ def test_the_api_event_page_shows_the_idempotency_key_as_its_key(admin, admin_ap
 
 def test_replays_of_an_api_event_are_shown_as_its_duplicates(admin, admin_app):
     api = admin_app.test_client()
-    created = _post(api, "order-42").get_json()["id"]
+    created = post_event(api, "order-42", EVENT).get_json()["id"]
     page = text(admin.get(f"/admin/events/{created}"))
     assert "no retry of this Idempotency-Key has been answered" in page
     for _ in range(2):
-        assert _post(api, "order-42").headers["Idempotent-Replayed"] == "true"
-    assert _post(api, "order-42", data=2).status_code == 422  # not a replay
+        assert post_event(api, "order-42", EVENT).headers["Idempotent-Replayed"] == "true"
+    assert post_event(api, "order-42", {**EVENT, "data": 2}).status_code == 422  # not a replay
     page = text(admin.get(f"/admin/events/{created}"))
     section = page.split('id="duplicates"', 1)[1].split("</section>", 1)[0]
     assert "retries answered with the saved response" in section

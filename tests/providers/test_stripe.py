@@ -14,6 +14,7 @@ from webhook_receiver.webhooks.providers import (
     TimestampError,
 )
 
+from ..webhooks.signing import stripe_signature
 from .helpers import hex_hmac, inbound, source
 
 P = StripeProvider()
@@ -26,11 +27,6 @@ BODY = json.dumps(
 SRC = source("stripe", SECRET)
 
 
-def sign(body: str, secret: str, t: int) -> str:
-    """Sign like Stripe: HMAC keyed with the whsec_ string over ``<t>.<body>``."""
-    return f"t={t},v1={hex_hmac(secret, f'{t}.{body}'.encode())}"
-
-
 def delivery(header: str | None, body: str = BODY, now: float = T):
     return inbound(body, {"Stripe-Signature": header} if header is not None else {}, now=now)
 
@@ -38,12 +34,12 @@ def delivery(header: str | None, body: str = BODY, now: float = T):
 def test_accepts_header_generated_by_stripe_sdk() -> None:
     header = stripe.WebhookSignature.generate_signature_header(BODY, SECRET, timestamp=T)
     P.verify(delivery(header), SRC)
-    assert header == sign(BODY, SECRET, T)
+    assert header == stripe_signature(BODY, SECRET, T)
 
 
 def test_stripe_sdk_accepts_what_we_sign() -> None:
     now = int(time.time())
-    header = sign(BODY, SECRET, now)
+    header = stripe_signature(BODY, SECRET, now)
     assert stripe.WebhookSignature.verify_header(BODY, header, SECRET, tolerance=300) is True
     event = stripe.Webhook.construct_event(BODY, header, SECRET)
     assert event.id == "evt_1NG8Du2eZvKYlo2CUI79vXWy"
@@ -51,15 +47,15 @@ def test_stripe_sdk_accepts_what_we_sign() -> None:
 
 
 def test_identify() -> None:
-    ident = P.identify(delivery(sign(BODY, SECRET, T)), SRC)
+    ident = P.identify(delivery(stripe_signature(BODY, SECRET, T)), SRC)
     assert ident.dedup_key == "evt_1NG8Du2eZvKYlo2CUI79vXWy"
     assert ident.event_type == "charge.succeeded"
     assert ident.immediate_response is None
 
 
 def test_retry_resigned_with_new_timestamp_keeps_the_key() -> None:
-    first = delivery(sign(BODY, SECRET, T), now=T)
-    retry = delivery(sign(BODY, SECRET, T + 3600), now=T + 3601)
+    first = delivery(stripe_signature(BODY, SECRET, T), now=T)
+    retry = delivery(stripe_signature(BODY, SECRET, T + 3600), now=T + 3601)
     assert first.headers["Stripe-Signature"] != retry.headers["Stripe-Signature"]
     P.verify(first, SRC)
     P.verify(retry, SRC)
@@ -68,22 +64,26 @@ def test_retry_resigned_with_new_timestamp_keeps_the_key() -> None:
 
 @pytest.mark.parametrize("signer", [SECRET, OLD_SECRET])
 def test_rotation_either_secret(signer: str) -> None:
-    P.verify(delivery(sign(BODY, signer, T)), source("stripe", OLD_SECRET, SECRET))
+    P.verify(delivery(stripe_signature(BODY, signer, T)), source("stripe", OLD_SECRET, SECRET))
 
 
 def test_rotation_any_v1_matches() -> None:
     # While a secret rolls, Stripe sends one v1 per active secret.
-    header = sign(BODY, "whsec_unknown", T) + ",v1=" + hex_hmac(SECRET, f"{T}.{BODY}".encode())
+    header = (
+        stripe_signature(BODY, "whsec_unknown", T)
+        + ",v1="
+        + hex_hmac(SECRET, f"{T}.{BODY}".encode())
+    )
     P.verify(delivery(header), SRC)
 
 
 def test_wrong_secret_rejected() -> None:
     with pytest.raises(SignatureError, match="signature does not match"):
-        P.verify(delivery(sign(BODY, OLD_SECRET, T)), SRC)
+        P.verify(delivery(stripe_signature(BODY, OLD_SECRET, T)), SRC)
 
 
 def test_tampered_body_rejected() -> None:
-    header = sign(BODY, SECRET, T)
+    header = stripe_signature(BODY, SECRET, T)
     with pytest.raises(SignatureError) as exc:
         P.verify(delivery(header, body=BODY.replace("charge", "refund")), SRC)
     assert type(exc.value) is SignatureError
@@ -91,20 +91,20 @@ def test_tampered_body_rejected() -> None:
 
 @pytest.mark.parametrize("now", [T + 300, T - 300, T])
 def test_boundary_accepted(now: int) -> None:
-    P.verify(delivery(sign(BODY, SECRET, T), now=now), SRC)
+    P.verify(delivery(stripe_signature(BODY, SECRET, T), now=now), SRC)
 
 
 @pytest.mark.parametrize("now", [T + 301, T - 301, T + 86400])
 def test_stale_and_future_rejected(now: int) -> None:
     with pytest.raises(TimestampError):
-        P.verify(delivery(sign(BODY, SECRET, T), now=now), SRC)
+        P.verify(delivery(stripe_signature(BODY, SECRET, T), now=now), SRC)
 
 
 def test_custom_tolerance() -> None:
     src = source("stripe", SECRET, tolerance_seconds=10)
-    P.verify(delivery(sign(BODY, SECRET, T), now=T + 10), src)
+    P.verify(delivery(stripe_signature(BODY, SECRET, T), now=T + 10), src)
     with pytest.raises(TimestampError):
-        P.verify(delivery(sign(BODY, SECRET, T), now=T + 11), src)
+        P.verify(delivery(stripe_signature(BODY, SECRET, T), now=T + 11), src)
 
 
 def test_missing_header() -> None:
@@ -145,7 +145,7 @@ def test_malformed_header(header: str) -> None:
 def test_identify_errors(payload: object, error: type[Exception]) -> None:
     body = json.dumps(payload)
     with pytest.raises(error):
-        P.identify(delivery(sign(body, SECRET, T), body=body), SRC)
+        P.identify(delivery(stripe_signature(body, SECRET, T), body=body), SRC)
 
 
 def test_identify_non_json_body() -> None:

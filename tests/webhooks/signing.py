@@ -110,9 +110,28 @@ def hmac_hex(body: bytes, secret: str = GENERIC_SECRET) -> str:
     return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
+def _bytes(body: str | bytes) -> bytes:
+    return body.encode() if isinstance(body, str) else body
+
+
+def stripe_signature(body: str | bytes, secret: str, t: int) -> str:
+    """A ``Stripe-Signature``: HMAC keyed with the whsec_ string over ``<t>.<body>``."""
+    return f"t={t},v1={hmac_hex(b'%d.%s' % (t, _bytes(body)), secret)}"
+
+
+def slack_signature(body: str | bytes, secret: str, ts: int | str) -> str:
+    """An ``X-Slack-Signature``: ``v0=`` and the HMAC of ``v0:<ts>:<body>``."""
+    return "v0=" + hmac_hex(b"v0:%s:%s" % (str(ts).encode(), _bytes(body)), secret)
+
+
+def paddle_h1(body: str | bytes, secret: str, ts: int) -> str:
+    """A ``Paddle-Signature``'s ``h1``: the HMAC of ``<ts>:<body>``."""
+    return hmac_hex(b"%d:%s" % (ts, _bytes(body)), secret)
+
+
 def paddle_delivery(payload: dict[str, Any], t: int | None = None):
     """A Paddle Billing notification: ``Paddle-Signature: ts=<t>;h1=<hmac of t:body>``."""
     body = dumps(payload)
     ts = t if t is not None else int(time.time())
-    digest = hmac.new(PADDLE_SECRET.encode(), b"%d:%s" % (ts, body), hashlib.sha256).hexdigest()
+    digest = paddle_h1(body, PADDLE_SECRET, ts)
     return body, {"Paddle-Signature": f"ts={ts};h1={digest}", "Content-Type": "application/json"}

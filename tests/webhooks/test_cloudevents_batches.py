@@ -13,11 +13,12 @@ from datetime import UTC, datetime
 import pytest
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
 
+from ..helpers import count
 from . import signing as s
 
 BATCH = "application/cloudevents-batch+json"
@@ -55,11 +56,6 @@ def post(client, body: bytes, content_type: str = BATCH):
 def stored(app) -> list[Event]:
     with app.app_context():
         return list(db.session.scalars(select(Event).order_by(Event.id)))
-
-
-def count(app, model) -> int:
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(model)) or 0
 
 
 def test_a_batch_stores_each_event_as_its_own(app):

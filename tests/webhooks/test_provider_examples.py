@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from webhook_receiver.config import parse
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, Rejection
 from webhook_receiver.webhooks.providers import PROVIDERS
+
+from ..helpers import count
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "providers.md"
@@ -176,11 +178,6 @@ EXAMPLES: dict[str, tuple[Callable[[str, int], Delivery], str, str, str | None]]
 @pytest.fixture
 def app(make_app):
     return make_app({"sources": documented_sources()})
-
-
-def count(app, model) -> int:
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(model))
 
 
 def test_every_documented_block_is_a_valid_config() -> None:

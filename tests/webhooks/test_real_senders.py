@@ -16,11 +16,12 @@ from urllib.parse import urlencode
 import pytest
 from cloudevents.core.bindings import http as ce_http
 from cloudevents.core.v1.event import CloudEvent
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict, Rejection
 
+from ..helpers import count
 from . import signing as s
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -36,11 +37,6 @@ def app(make_app):
 def rows(app, model):
     with app.app_context():
         return db.session.scalars(select(model).order_by(model.id)).all()
-
-
-def count(app, model) -> int:
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(model))
 
 
 def github_form(payload: dict, delivery: str, event: str = "issues") -> tuple[bytes, dict]:

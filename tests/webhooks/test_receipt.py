@@ -6,11 +6,12 @@ import json
 import time
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict, EventDuplicate, Rejection
 
+from ..helpers import count
 from . import signing as s
 
 
@@ -22,11 +23,6 @@ def app(make_app):
 def rows(app, model):
     with app.app_context():
         return db.session.scalars(select(model).order_by(model.id)).all()
-
-
-def count(app, model):
-    with app.app_context():
-        return db.session.scalar(select(func.count()).select_from(model))
 
 
 def post(client, source, body, headers):
