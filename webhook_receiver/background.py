@@ -26,6 +26,8 @@ class BackgroundWriter:
         self._flushing = threading.Lock()  # one write at a time (thread and exit)
         self._due = threading.Event()
         self._closing = threading.Event()
+        # Set to end the interval's gathering early: closing, or hurry().
+        self._now = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         _WRITERS.add(self)
@@ -44,9 +46,16 @@ class BackgroundWriter:
         if not self._due.is_set():  # set() takes a lock even when it changes nothing
             self._due.set()
 
+    def hurry(self) -> None:
+        """Have what is pending written now, on the thread, rather than at the interval's end."""
+        self._start_thread()
+        self._due.set()
+        self._now.set()
+
     def close(self) -> None:
         """Stop the thread and write what is pending."""
         self._closing.set()
+        self._now.set()
         self._due.set()
         thread = self._thread
         if thread is not None and self._pid == os.getpid():
@@ -68,10 +77,12 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             self._due.wait()
-            # Let the interval gather a batch (close() writes what is left);
-            # what arrives while the batch is written sets _due again.
-            if self._closing.wait(self.flush_seconds):
+            # Let the interval gather a batch, unless hurried (close() writes
+            # what is left); what arrives while the batch is written sets _due again.
+            self._now.wait(self.flush_seconds)
+            if self._closing.is_set():
                 return
+            self._now.clear()
             self._due.clear()
             self.flush()
 

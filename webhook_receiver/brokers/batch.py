@@ -131,10 +131,9 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
         )
         outcomes = [_one(message, compare) for message in messages]
     _count(source.name, outcomes)
-    if any(type(outcome) is Duplicate for outcome in outcomes):
-        # Before the acks: a consumer killed outright loses at most this
-        # batch's counts (the ledger would otherwise hold them a while).
-        duplicates.flush()
+    # Before the acks: a consumer killed outright loses at most this batch's
+    # redelivery counts (the ledger would otherwise hold them a while).
+    duplicates.before_acks(source.name)
     if len(outcomes) == len(verdicts):  # every message was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
     stored = iter(outcomes)

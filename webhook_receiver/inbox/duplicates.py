@@ -16,11 +16,11 @@ counter counts each one at once.
 
 What this gives up: a process killed outright (SIGKILL, power loss) loses
 the redeliveries it had not written yet, at most that many seconds' worth,
-so stored counts may fall short. A broker consumer writes its batch's
-redeliveries (:func:`flush`) before it acknowledges the batch: killed
-outright, it has acknowledged no redelivery whose count is unwritten, and
-the batch in hand comes back to be counted (twice, at most that batch,
-when the kill falls between the write and the acks). (The one way to run over: the connection
+so stored counts may fall short. A broker consumer has each batch's
+redeliveries written at once, on this thread, and before it acknowledges a
+batch it waits until the batch before is written (:func:`before_acks`):
+killed outright, it has acknowledged at most one batch whose counts are
+unwritten. (The one way to run over: the connection
 dies while a batch's COMMIT is on its way, the commit succeeded unseen, and
 the batch is written again.) A write that fails
 (the database away) is tried again on the next round; past
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import NamedTuple, cast
@@ -144,6 +145,13 @@ class DuplicateLedger(BackgroundWriter):
         super().__init__(flush_seconds)
         self.engine = engine
         self._pending: list[Redelivery] = []
+        # Redeliveries noted so far, and how many of the first of them are
+        # written (or dropped): a consumer waits on these before its acks.
+        self._noted = 0
+        self._written = 0
+        self._progress = threading.Condition(self._lock)
+        # Per broker source: how many were noted when its last batch was acked.
+        self._noted_at_ack: dict[str, int] = {}
 
     def record(self, event_id: int, received_at: datetime) -> None:
         """Note one redelivery of ``event_id``; it is written within the flush interval."""
@@ -155,10 +163,35 @@ class DuplicateLedger(BackgroundWriter):
             return
         if self.flush_seconds == 0:
             self._write(redeliveries)
+            with self._lock:
+                self._noted += len(redeliveries)
+                self._written += len(redeliveries)
             return
         with self._lock:
             self._pending.extend(redeliveries)
+            self._noted += len(redeliveries)
         self.wake()
+
+    def before_acks(self, source: str, timeout: float = 5.0) -> None:
+        """Before a broker batch of ``source`` is acked: every earlier batch's counts are written.
+
+        The batch's own redeliveries are written now, on the ledger's
+        thread (on its own connection, beside the next batch's store); the
+        call waits only for those of the batch before, which that thread has
+        usually written already. So a consumer killed outright has acked at
+        most one batch whose counts are not written. Past ``timeout`` (the
+        thread stuck), it writes them itself.
+        """
+        with self._lock:
+            earlier = self._noted_at_ack.get(source, 0)
+            self._noted_at_ack[source] = self._noted
+            if self._written >= self._noted:
+                return  # nothing unwritten (the usual batch of new messages)
+        self.hurry()
+        with self._lock:
+            written = self._progress.wait_for(lambda: self._written >= earlier, timeout)
+        if not written:
+            self.flush()
 
     def pending(self) -> int:
         """How many redeliveries wait to be written."""
@@ -174,6 +207,9 @@ class DuplicateLedger(BackgroundWriter):
                 return 0
             try:
                 self._write(batch)
+                with self._lock:
+                    self._written += len(batch)
+                    self._progress.notify_all()
             except Exception:
                 log.warning(
                     "could not record %d redeliveries; will try again",
@@ -210,6 +246,8 @@ class DuplicateLedger(BackgroundWriter):
             overflow = len(self._pending) - MAX_PENDING
             if overflow > 0:
                 del self._pending[:overflow]
+                self._written += overflow  # lost, and said so below: nobody waits for them
+                self._progress.notify_all()
         if overflow > 0:
             log.error(
                 "dropped %d unrecorded redeliveries (more than %d waiting)",
@@ -232,14 +270,10 @@ def record_many(redeliveries: list[Redelivery]) -> None:
     ledger.record_many(redeliveries)
 
 
-def flush() -> int:
-    """Write the current app's pending redeliveries now; how many were written.
-
-    A broker consumer calls it before acknowledging a batch with
-    duplicates, so that a kill -9 loses at most that batch's counts.
-    """
+def before_acks(source: str) -> None:
+    """Before a broker batch of ``source`` is acked: the earlier batches' counts are written."""
     ledger: DuplicateLedger = current_app.extensions[EXTENSION]
-    return ledger.flush()
+    ledger.before_acks(source)
 
 
 def init_app(app: Flask) -> None:
