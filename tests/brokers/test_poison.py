@@ -11,7 +11,6 @@ and arbitrary NATS subjects and headers, with the same promise.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import uuid
@@ -41,6 +40,7 @@ from .conftest import (
     stored_keys,
     wait_until,
 )
+from .contract import publish_raw
 
 RABBIT = "orders"
 NATS = "payments"
@@ -53,22 +53,6 @@ def _good(n: int) -> bytes:
 
 def _amqp(key: str | bytes, body: bytes | None = None, **props: Any) -> tuple[bytes, dict]:
     return body or _good(0), {"message_id": key, "content_type": "application/json", **props}
-
-
-def _nats_raw(url: str, subject: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-    """Publish one message over the NATS wire protocol, bytes as given (nats-py would refuse)."""
-    host, port = url.removeprefix("nats://").split(":")
-    block = b"NATS/1.0\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in headers) + b"\r\n"
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        reader = sock.makefile("rb")
-        assert reader.readline().startswith(b"INFO ")
-        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"headers":true}\r\n')
-        sock.sendall(
-            b"HPUB %s %d %d\r\n%s%s\r\nPING\r\n"
-            % (subject, len(block), len(block) + len(body), block, body)
-        )
-        line = reader.readline()
-        assert line == b"PONG\r\n", line
 
 
 @contextmanager
@@ -150,7 +134,7 @@ RABBIT_POISON: dict[str, Callable[[Queue], None]] = {
 
 
 def _nats_poison(stream: Stream, subject: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    _nats_raw(stream.url, stream.prefix.encode() + b"." + subject, headers, _good(0))
+    publish_raw(stream.url, stream.prefix.encode() + b"." + subject, headers, _good(0))
 
 
 NATS_POISON: dict[str, Callable[[Stream], None]] = {
@@ -230,7 +214,9 @@ def test_nats_ids_that_differ_only_in_invalid_bytes_are_never_one_key(both, jets
     body = _good(7)
     jetstream.publish([("paid", body, {"Nats-Msg-Id": "id-\ufffd"})])
     for raw in (b"id-\xff", b"id-\xfe"):
-        _nats_raw(jetstream.url, f"{jetstream.prefix}.paid".encode(), [(b"Nats-Msg-Id", raw)], body)
+        publish_raw(
+            jetstream.url, f"{jetstream.prefix}.paid".encode(), [(b"Nats-Msg-Id", raw)], body
+        )
     with _running(both):
         assert wait_until(lambda: dead_letter_count(both, NATS, MALFORMED) == 2, 30)
         assert wait_until(lambda: jetstream.pending() == (0, 0), 10)
@@ -341,7 +327,7 @@ def test_arbitrary_nats_subjects_and_headers_never_stop_the_consumer(both, jetst
             subject = jetstream.prefix.encode() + b"." + token
             # Unique, or JetStream's duplicate window would drop a repeated example.
             msg_id += uuid.uuid4().hex.encode()
-            _nats_raw(jetstream.url, subject, [(b"Nats-Msg-Id", msg_id), *headers], b"{}")
+            publish_raw(jetstream.url, subject, [(b"Nats-Msg-Id", msg_id), *headers], b"{}")
             _nats_good(jetstream, uuid.uuid4().int % 10**9)
             assert wait_until(lambda: _settled_total(both, NATS) - before >= 2, 20), (
                 token,
