@@ -1,4 +1,4 @@
-"""What many tests do the same way: count stored rows, post an event to the API."""
+"""What many tests do the same way: count stored rows, post an event to the API, a source."""
 
 from __future__ import annotations
 
@@ -9,12 +9,25 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import create_engine, func, select
 
+from webhook_receiver.config import BrokerSourceConfig
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 
 from .conftest import bearer
 
 ORDER = {"type": "order.created", "data": {"order": 42}}
+
+# A RabbitMQ source as identify sees it (keys from message_id, types from type),
+# for tests that identify messages without a broker.
+RABBIT_SOURCE = BrokerSourceConfig(
+    name="orders",
+    provider="rabbitmq",
+    url="amqp://guest:guest@127.0.0.1:5672/%2F",
+    dedup_key="property:message_id",
+    event_type="property:type",
+    batch=10,
+    queue="orders",
+)
 
 
 def count(app: Flask, model: Any = Event) -> int:

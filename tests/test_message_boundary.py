@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from webhook_receiver.brokers.identify import PAYLOAD_INVALID, BrokerMessage, Unidentified, identify
-from webhook_receiver.config import BrokerSourceConfig
 from webhook_receiver.inbox import Message
 from webhook_receiver.inbox.messages import (
     CONTENT_TYPE_LENGTH,
@@ -26,6 +25,8 @@ from webhook_receiver.inbox.messages import (
     Unstorable,
 )
 from webhook_receiver.models import Event
+
+from .helpers import RABBIT_SOURCE
 
 FIELDS = {"source": "s", "dedup_key": "k", "fingerprint": "f" * 64, "body": b"{}"}
 
@@ -76,17 +77,6 @@ def test_what_no_database_stores_is_refused(fields, field, reason):
     assert str(refused.value) == refused.value.detail
 
 
-BROKER = BrokerSourceConfig(
-    name="orders",
-    provider="rabbitmq",
-    url="amqp://guest:guest@127.0.0.1:5672/%2F",
-    dedup_key="property:message_id",
-    event_type="property:type",
-    batch=10,
-    queue="orders",
-)
-
-
 @pytest.mark.parametrize(
     "delivery",
     [
@@ -99,12 +89,12 @@ BROKER = BrokerSourceConfig(
 )
 def test_a_broker_message_over_a_limit_is_dead_lettered_as_payload_invalid(delivery):
     with pytest.raises(Unidentified) as refused:
-        identify(BROKER, delivery)
+        identify(RABBIT_SOURCE, delivery)
     assert refused.value.reason == PAYLOAD_INVALID
 
 
 def test_a_broker_json_key_over_the_limit_is_payload_invalid():
-    source = replace(BROKER, dedup_key="json:/id")
+    source = replace(RABBIT_SOURCE, dedup_key="json:/id")
     with pytest.raises(Unidentified) as refused:
         identify(source, BrokerMessage(body=b'{"id": "%s"}' % (b"k" * 513)))
     assert refused.value.reason == PAYLOAD_INVALID

@@ -18,7 +18,7 @@ from werkzeug.datastructures import Headers
 
 from webhook_receiver import pointers
 from webhook_receiver.brokers.identify import MISSING_KEY, BrokerMessage, Unidentified, identify
-from webhook_receiver.config import BrokerSourceConfig, parse_broker_spec, parse_spec
+from webhook_receiver.config import parse_broker_spec, parse_spec
 from webhook_receiver.fingerprint import canonical_number
 from webhook_receiver.outbox import ordering
 from webhook_receiver.webhooks.providers import (
@@ -29,6 +29,8 @@ from webhook_receiver.webhooks.providers import (
     SourceConfig,
 )
 from webhook_receiver.webhooks.providers._common import resolve_pointer as webhook_resolve
+
+from .helpers import RABBIT_SOURCE
 
 DOC = {"items": ["a", "b"], "a~2": 1, "a~b": 2, "a/b": 3, "01": 4, "١": 5}
 
@@ -99,16 +101,6 @@ POINTERS = st.lists(RAW_TOKENS, max_size=4).map(lambda ts: "".join("/" + t for t
     alphabet="/~012ab١-", max_size=8
 )
 
-BROKER = BrokerSourceConfig(
-    name="orders",
-    provider="rabbitmq",
-    url="amqp://guest:guest@127.0.0.1:5672/%2F",
-    dedup_key="property:message_id",
-    event_type="property:type",
-    batch=10,
-    queue="orders",
-)
-
 
 def _webhook_key(document, pointer):
     body = json.dumps(document).encode()
@@ -123,7 +115,7 @@ def _webhook_key(document, pointer):
 
 
 def _broker_key(document, pointer):
-    source = replace(BROKER, dedup_key=f"json:{pointer}")
+    source = replace(RABBIT_SOURCE, dedup_key=f"json:{pointer}")
     try:
         return identify(source, BrokerMessage(body=json.dumps(document).encode())).dedup_key
     except Unidentified as exc:

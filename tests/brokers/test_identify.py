@@ -5,18 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from webhook_receiver.brokers.identify import BrokerMessage, content_fingerprint, identify
-from webhook_receiver.config import BrokerSourceConfig
 from webhook_receiver.fingerprint import fingerprint
 
-SOURCE = BrokerSourceConfig(
-    name="orders",
-    provider="rabbitmq",
-    url="amqp://guest:guest@127.0.0.1:5672/%2F",
-    dedup_key="property:message_id",
-    event_type="property:type",
-    batch=10,
-    queue="orders",
-)
+from ..helpers import RABBIT_SOURCE
 
 
 def _delivery(**fields: object) -> BrokerMessage:
@@ -31,7 +22,7 @@ def _delivery(**fields: object) -> BrokerMessage:
 
 
 def test_meta_holds_where_it_came_from_and_the_producers_properties():
-    message = identify(SOURCE, _delivery())
+    message = identify(RABBIT_SOURCE, _delivery())
     assert message.meta == {
         "broker": "rabbitmq",
         "queue": "orders",
@@ -46,7 +37,7 @@ def test_a_nul_in_meta_or_a_header_is_replaced_as_jsonb_cannot_hold_it():
         meta={"broker": "rabbitmq", "nested": [{"k\x00": 1}], "n": 2.5, "flag": None},
         headers={"X-Trace": "t\x00"},
     )
-    message = identify(SOURCE, delivery)
+    message = identify(RABBIT_SOURCE, delivery)
     assert message.meta == {
         "broker": "rabbitmq",
         "nested": [{"k\ufffd": 1}],
@@ -64,25 +55,28 @@ def test_text_that_spells_a_nul_escape_is_kept_as_it_is():
         properties={"message_id": "evt-1", "app_id": spelled},
         meta={"broker": "rabbitmq", "routing_key": spelled, "queue": "q\x00"},
     )
-    meta = identify(SOURCE, delivery).meta
+    meta = identify(RABBIT_SOURCE, delivery).meta
     assert meta["routing_key"] == spelled and meta["properties"]["app_id"] == spelled
     assert meta["queue"] == "q\ufffd"
-    assert identify(SOURCE, _delivery(meta={"routing_key": spelled})).meta["routing_key"] == spelled
+    assert (
+        identify(RABBIT_SOURCE, _delivery(meta={"routing_key": spelled})).meta["routing_key"]
+        == spelled
+    )
 
 
 def test_the_fingerprint_covers_the_type_and_the_bytes_as_sent():
     # Nothing is parsed for it: a redelivery's bytes are the same.
-    first = identify(SOURCE, _delivery(body=b'{"id": "evt-1", "n": 1}'))
-    respelled = identify(SOURCE, _delivery(body=b'{"n":1,"id":"evt-1"}'))
+    first = identify(RABBIT_SOURCE, _delivery(body=b'{"id": "evt-1", "n": 1}'))
+    respelled = identify(RABBIT_SOURCE, _delivery(body=b'{"n":1,"id":"evt-1"}'))
     assert first.fingerprint == fingerprint(["order.paid", b'{"id": "evt-1", "n": 1}'])
     assert respelled.fingerprint != first.fingerprint
     # Labelled JSON that is not: identified all the same, by its bytes.
-    broken = identify(SOURCE, _delivery(body=b'{"id": '))
+    broken = identify(RABBIT_SOURCE, _delivery(body=b'{"id": '))
     assert broken.fingerprint == fingerprint(["order.paid", b'{"id": '])
 
 
 def test_the_content_fingerprint_compares_json_once_parsed_and_other_bodies_as_bytes():
-    compare = content_fingerprint(SOURCE)
+    compare = content_fingerprint(RABBIT_SOURCE)
     json_type = "application/json"
     assert compare(b'{"id": "evt-1", "n": 1}', "t", json_type) == compare(
         b'{"n":1,"id":"evt-1"}', "t", json_type
@@ -92,7 +86,7 @@ def test_the_content_fingerprint_compares_json_once_parsed_and_other_bodies_as_b
     assert compare(b'{"n": 1}', "t", "text/plain") != compare(b'{"n":1}', "t", "text/plain")
     assert compare(b'{"id": ', "t", json_type) == fingerprint(["t", b'{"id": '])
     # A body a json: spec reads is JSON whatever its label says.
-    by_body = content_fingerprint(replace(SOURCE, dedup_key="json:/id"))
+    by_body = content_fingerprint(replace(RABBIT_SOURCE, dedup_key="json:/id"))
     assert by_body(b'{"id": 1, "n": 1}', "t", None) == by_body(b'{"n":1,"id":1}', "t", None)
     # What identify fingerprinted before fingerprints covered the bytes.
     assert compare(b'{"n": 1}', "t", json_type) == fingerprint(["t", b'{"n":1}'])
