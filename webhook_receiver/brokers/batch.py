@@ -12,8 +12,9 @@ and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
 No message stops a consumer: whatever fails while one message is turned
 into a BrokerMessage, identified or stored (but the database being away) makes
 that message a dead letter with its reason, and the rest of its batch goes
-on. Redeliveries' counts are written before :func:`store` returns, so a
-consumer killed outright loses at most the batch it had in hand.
+on. Before :func:`store` returns, the batch before's redelivery counts are
+written (this batch's are on their way): a consumer killed outright loses
+at most one acknowledged batch's counts.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
         )
         outcomes = [_one(message, compare) for message in messages]
     _count(source.name, outcomes)
-    # Before the acks: a consumer killed outright loses at most this batch's
-    # redelivery counts (the ledger would otherwise hold them a while).
+    # Before the acks: the batch before's redelivery counts are written, this
+    # batch's hurried (the ledger would otherwise hold them up to a second).
     duplicates.before_acks(source.name)
     if len(outcomes) == len(verdicts):  # every message was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
