@@ -9,7 +9,7 @@ Three kinds of reference are checked, outside fenced code blocks:
   with no folder of the repository or the package (``metrics/``,
   ``application/json``) are not code and are left alone;
 - a dotted name whose first part is the package or one of its modules or
-  folders (``inbox.receive``, ``records.save_with_event``,
+  folders (``inbox.receive``, ``records.save_in_transaction``,
   ``webhook_receiver.processing.worker``, ``admin/queries.list_dead``): the
   module is imported and the rest looked up on it (a call's arguments, and
   what follows them, are not). A short name may stand for any module of

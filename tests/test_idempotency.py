@@ -20,9 +20,9 @@ from sqlalchemy import insert, select
 from webhook_receiver import idempotency
 from webhook_receiver.api.auth import require_client
 from webhook_receiver.extensions import db
-from webhook_receiver.idempotency import records
 from webhook_receiver.idempotency.decorator import request_fingerprint, run_claimed
-from webhook_receiver.idempotency.records import COMPLETED, IN_PROGRESS
+from webhook_receiver.idempotency.persistence import records
+from webhook_receiver.idempotency.persistence.records import COMPLETED, IN_PROGRESS
 from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 from webhook_receiver.problems import Problem
 

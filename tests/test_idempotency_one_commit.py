@@ -31,8 +31,8 @@ from sqlalchemy.engine import Engine
 
 from webhook_receiver import create_app, database, inbox
 from webhook_receiver.extensions import db
-from webhook_receiver.idempotency import records
-from webhook_receiver.idempotency.records import COMPLETED
+from webhook_receiver.idempotency.persistence import records
+from webhook_receiver.idempotency.persistence.records import COMPLETED
 from webhook_receiver.models import Event, IdempotencyRecord
 
 from .conftest import CLIENTS, SECRET_KEY

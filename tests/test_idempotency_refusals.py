@@ -29,7 +29,8 @@ from werkzeug.exceptions import UnsupportedMediaType
 
 from webhook_receiver.api.auth import require_client
 from webhook_receiver.extensions import db
-from webhook_receiver.idempotency import idempotent, records
+from webhook_receiver.idempotency import idempotent
+from webhook_receiver.idempotency.persistence import records
 from webhook_receiver.models import Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 

@@ -33,7 +33,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from .config import FileConfig
 from .database import end_read, unit_of_work
 from .extensions import db
-from .idempotency import records
+from .idempotency.persistence import records
 from .models import AdminLoginFailure, Delivery, Event, Rejection
 from .outbox import deliveries
 

@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.retention": 3,
     "webhook_receiver.webhooks.providers": 3,
     "webhook_receiver.events": 2,
+    "webhook_receiver.idempotency.persistence": 2,
     "webhook_receiver.inbox": 2,
     "webhook_receiver.outbox": 2,
     "webhook_receiver.rejections": 2,
@@ -62,12 +63,6 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.fingerprint": 1,
     "webhook_receiver.models": 1,
     "webhook_receiver.pointers": 1,
-}
-
-# Modules whose layer is not their folder's. The idempotency record is data
-# access (retention purges through it) kept beside the engine that owns it.
-MODULE_OVERRIDES: dict[str, int] = {
-    "webhook_receiver.idempotency.records": 2,
 }
 
 # Modules that may import the package's own modules inside a function, and why.
@@ -87,8 +82,6 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> int:
-    if module in MODULE_OVERRIDES:
-        return MODULE_OVERRIDES[module]
     name = module
     while name:  # the innermost placed folder
         if name in LAYERS:
@@ -236,7 +229,7 @@ def test_layers_name_folders_and_top_level_modules():
         if name not in packages and not (name in modules and name.count(".") == 1)
     ]
     assert not stray, f"LAYERS places folders and top-level modules only: {stray}"
-    assert all(name in modules for name in [*LAYERS, *MODULE_OVERRIDES, *IMPORTS_INSIDE_FUNCTIONS])
+    assert all(name in modules for name in [*LAYERS, *IMPORTS_INSIDE_FUNCTIONS])
 
 
 def _documented_layers() -> dict[str, int]:
@@ -256,7 +249,7 @@ def _documented_layers() -> dict[str, int]:
 
 
 def test_the_architecture_doc_names_the_same_layers():
-    assert _documented_layers() == {**LAYERS, **MODULE_OVERRIDES}
+    assert _documented_layers() == LAYERS
 
 
 @pytest.mark.parametrize("layer", sorted(set(LAYERS.values())))

@@ -3,7 +3,8 @@
 On PostgreSQL the Idempotency-Key API's unit of work (the view's event,
 the key's record and its saved answer) is one autocommitted statement:
 ``inbox.add`` reserves the event's id and holds the event, and
-``records.save_with_event`` writes both. The transaction path (the event
+``api.event_records.EventRecords`` writes both (``inbox.GuardedReceipt``
+with the record's upsert as its guard). The transaction path (the event
 in the session's transaction, then ``records.save_in_transaction``) is
 the reference, and the path a view that writes more than its one event
 takes. On SQLite nothing is held: ``add`` writes at once, in the writers'
@@ -23,10 +24,12 @@ from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
 from webhook_receiver.api.auth import require_client
+from webhook_receiver.api.event_records import EventRecords
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
-from webhook_receiver.idempotency import idempotent, records
-from webhook_receiver.inbox import in_transaction
+from webhook_receiver.idempotency import idempotent
+from webhook_receiver.idempotency.persistence import records
+from webhook_receiver.inbox import held as held_events
 from webhook_receiver.models import Delivery, Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 
@@ -54,11 +57,9 @@ def _request(key: str) -> records.Request:
     )
 
 
-def _save(held: list[inbox.HeldEvent], key: str) -> bool:
+def _save(unit: Any, key: str) -> bool:
     """Save the key's answer as the one-commit decorator does, with or without a held event."""
-    if held:
-        return records.save_with_event(_request(key), ANSWER, NOW, TTL, 5.0, held[0])
-    return records.save_in_transaction(_request(key), ANSWER, NOW, TTL, 5.0)
+    return unit.save(_request(key), ANSWER, NOW, TTL, 5.0)
 
 
 def _record_row(key: str) -> dict[str, Any]:
@@ -90,13 +91,13 @@ def test_a_held_event_is_written_with_its_record_as_the_transaction_path_writes_
 ):
     app = make_app(_config(forwards=forwards))
     with app.app_context():
-        with inbox.holding() as held, unit_of_work():
+        with EventRecords().transaction() as unit:
             one_statement_id = inbox.add(message("held", **fields))
             # PostgreSQL holds the event (its id reserved), SQLite writes it.
-            assert len(held) == (1 if _postgresql() else 0)
-            if held:
+            assert len(unit.held) == (1 if _postgresql() else 0)
+            if unit.held:
                 assert _events_seen_elsewhere() == 0
-            assert _save(held, "key-held")
+            assert _save(unit, "key-held")
         with unit_of_work():
             reference_id = inbox.add(message("reference", **fields), fast=False)
             assert records.save_in_transaction(_request("key-ref"), ANSWER, NOW, TTL, 5.0)
@@ -122,11 +123,11 @@ def test_a_held_event_is_not_written_when_the_key_is_taken(make_app):
     with app.app_context():
         with unit_of_work():
             assert records.save_in_transaction(_request("taken"), ANSWER, NOW, TTL, 5.0)
-        with inbox.holding() as held, unit_of_work():
+        with EventRecords().transaction() as unit:
             inbox.add(message("second"))
             # The key's record answers for itself: nothing of this request is written.
-            assert not _save(held, "taken")
-            if not held:
+            assert not _save(unit, "taken")
+            if not unit.held:
                 db.session.rollback()  # SQLite: the decorator rolls back what add wrote
         assert (_count(Event), _count(Delivery), _count(IdempotencyRecord)) == (0, 0, 1)
 
@@ -137,15 +138,15 @@ def test_a_failed_outbox_insert_leaves_neither_the_event_nor_the_record(make_app
         _fail_inserts()
         try:
             with pytest.raises(DBAPIError, match="injected failure on deliveries"):
-                with inbox.holding() as held, unit_of_work():
+                with EventRecords().transaction() as unit:
                     inbox.add(message("k1"))
-                    _save(held, "key-1")
+                    _save(unit, "key-1")
             assert (_count(Event), _count(Delivery), _count(IdempotencyRecord)) == (0, 0, 0)
         finally:
             _drop_failure()
-        with inbox.holding() as held, unit_of_work():
+        with EventRecords().transaction() as unit:
             inbox.add(message("k1"))
-            assert _save(held, "key-1")
+            assert _save(unit, "key-1")
         assert (_count(Event), _count(Delivery), _count(IdempotencyRecord)) == (1, 2, 1)
 
 
@@ -165,7 +166,7 @@ def test_reserved_ids_are_taken_afresh_in_another_process(make_app, monkeypatch)
             monkeypatch.setattr(os, "getpid", lambda: -1)
             second = inbox.add(message("k2"))
         assert first is not None and second is not None
-        assert second - first >= in_transaction._IDS_PER_BLOCK
+        assert second - first >= held_events._IDS_PER_BLOCK
 
 
 # -- through the decorator: a view that writes more than its one event --------
@@ -290,8 +291,8 @@ def test_a_view_that_reads_its_event_back_through_the_session_finds_it(make_app)
 
 
 def test_a_new_api_key_is_written_by_the_dialects_path(make_app, monkeypatch):
-    # PostgreSQL: one statement (save_with_event); SQLite: the transaction
-    # (save_in_transaction). The other one fails here if it is taken.
+    # PostgreSQL: one statement (GuardedReceipt.write); SQLite: the
+    # transaction (save_in_transaction). The other one fails here if taken.
     app = make_app()
     with app.app_context():
         postgresql = _postgresql()
@@ -299,8 +300,10 @@ def test_a_new_api_key_is_written_by_the_dialects_path(make_app, monkeypatch):
     def not_this_path(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("the other path was taken")
 
-    unused = "save_in_transaction" if postgresql else "save_with_event"
-    monkeypatch.setattr(records, unused, not_this_path)
+    if postgresql:
+        monkeypatch.setattr(records, "save_in_transaction", not_this_path)
+    else:
+        monkeypatch.setattr(inbox.GuardedReceipt, "write", not_this_path)
     answer = app.test_client().post(
         "/api/events", json=EVENT, headers={**bearer(), "Idempotency-Key": "path"}
     )

@@ -21,7 +21,7 @@ from flask.typing import ResponseReturnValue
 
 from ..config import FileConfig
 from ..database import unit_of_work
-from ..idempotency import records
+from ..idempotency.persistence import records
 from ..models import utcnow
 from ..observability import metrics
 from ..outbox import deliveries

@@ -14,6 +14,7 @@ from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
 from ..inbox.messages import TYPE_LENGTH, Unstorable
 from .auth import require_client
+from .event_records import EventRecords
 
 bp = Blueprint("api", __name__, url_prefix="/api")
 
@@ -37,7 +38,8 @@ def _parsed(body: bytes) -> tuple[Any, bytes]:
 @require_client
 # Its only effect is the event, rolled back with the transaction: a retry
 # may run it again (speculative), and a new key is then spared its read.
-@idempotent(speculative=True)
+# The event and the key's record are written together (EventRecords).
+@idempotent(speculative=True, persistence=EventRecords())
 def create_event() -> tuple[Response, int, dict[str, str]]:
     """Store an event posted by an API client."""
     # Every refusal below comes before any work: it binds no Idempotency-Key,

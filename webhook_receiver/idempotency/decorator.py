@@ -21,15 +21,11 @@ from urllib.parse import parse_qsl, urlencode
 from flask import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
-from .. import inbox
-from ..database import unit_of_work, untouched
-from ..database_driver import one_connection
-from ..extensions import db
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..observability import metrics
 from ..problems import Problem, problem_response
-from . import records
 from .keys import parse_key
+from .persistence import Persistence, RunAgain, records
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +95,31 @@ def _now() -> datetime:
 
 
 @overload
-def idempotent(view: F, *, two_phase: bool = False, speculative: bool = False) -> F: ...
+def idempotent(
+    view: F,
+    *,
+    two_phase: bool = False,
+    speculative: bool = False,
+    persistence: Persistence | None = None,
+) -> F: ...
 
 
 @overload
 def idempotent(
-    view: None = None, *, two_phase: bool = False, speculative: bool = False
+    view: None = None,
+    *,
+    two_phase: bool = False,
+    speculative: bool = False,
+    persistence: Persistence | None = None,
 ) -> Callable[[F], F]: ...
 
 
 def idempotent(
-    view: F | None = None, *, two_phase: bool = False, speculative: bool = False
+    view: F | None = None,
+    *,
+    two_phase: bool = False,
+    speculative: bool = False,
+    persistence: Persistence | None = None,
 ) -> F | Callable[[F], F]:
     """Run a view at most once per (client, Idempotency-Key); replay its response after.
 
@@ -127,9 +137,15 @@ def idempotent(
     rolled back and the saved answer is replayed. The view's code may then
     run for a retry, so it suits a view whose only effects are its writes
     in this database, as ``POST /api/events``.
+
+    ``persistence`` keeps the records (default: ``Persistence``, this
+    app's database); a view may pass one that writes its own rows with
+    the record more cheaply (api/event_records.py).
     """
     if two_phase and speculative:
         raise ValueError("a two-phase claim commits before the view: it cannot be speculative")
+
+    store = persistence or Persistence()
 
     def decorate(view: F) -> F:
         taken = TakenKeys(speculative)
@@ -146,8 +162,8 @@ def idempotent(
                 path=request.path,
             )
             if two_phase:
-                return _two_phase(req, view, args, kwargs)
-            return _one_commit(req, view, args, kwargs, taken)
+                return _two_phase(store, req, view, args, kwargs)
+            return _one_commit(store, req, view, args, kwargs, taken)
 
         return cast(F, wrapper)
 
@@ -231,6 +247,7 @@ class TakenKeys:
 
 
 def _one_commit(
+    store: Persistence,
     req: records.Request,
     view: Callable[..., Any],
     args: Any,
@@ -247,14 +264,16 @@ def _one_commit(
         failed: Exception | None = None
         unsaved = False
         # The read and (on PostgreSQL) the one-statement write share a connection.
-        with one_connection(db.engine):
+        with store.connection():
             if read_first:
-                outcome = records.find(req, _now())
+                outcome = store.find(req, _now())
                 if outcome is not None:
                     taken.note(taken=True)
                     return _answer(req, outcome)
             try:
-                response = _run_in_one_transaction(req, view, args, kwargs, ttl, lock_timeout)
+                response = _run_in_one_transaction(
+                    store, req, view, args, kwargs, ttl, lock_timeout
+                )
             except _NotSaved as not_saved:
                 # A 5xx or a refusal: nothing was committed.
                 response, unsaved = not_saved.response, True
@@ -267,7 +286,7 @@ def _one_commit(
                 # The view ran before the key was read, and nothing was
                 # committed: for a retry, its saved answer wins (and a
                 # refused body under a taken key is a 422, as if read first).
-                outcome = _find_after_failure(req)
+                outcome = _find_after_failure(store, req)
                 if outcome is not None:
                     taken.note(taken=True)
                     return _answer(req, outcome)
@@ -277,23 +296,24 @@ def _one_commit(
             taken.note(taken=False)
             return response
         # The key was taken (a retry, or a racing request that committed
-        # first): answer from its record. Or the reserved event id was
-        # taken: run again. Either way, read first.
+        # first): answer from its record. Or the persistence could not
+        # save the unit as it stood: run again. Either way, read first.
         read_first = True
     raise RuntimeError("idempotency key did not settle")  # pragma: no cover
 
 
 def _find_after_failure(
-    req: records.Request,
+    store: Persistence, req: records.Request
 ) -> records.Replay | records.Mismatch | records.InFlight | None:
     """The key's record after a speculative run failed; None if free or unreadable."""
     try:
-        return records.find(req, _now())
+        return store.find(req, _now())
     except Exception:
         return None  # the database is what failed: the run's own error stands
 
 
 def _run_in_one_transaction(
+    store: Persistence,
     req: records.Request,
     view: Callable[..., Any],
     args: Any,
@@ -305,15 +325,12 @@ def _run_in_one_transaction(
 
     Raises ``_NotSaved``, everything rolled back, for a 5xx or a refusal.
     """
-    session = db.session
     try:
         # One transaction: the view's writes, then the claim and the saved
         # answer in one statement. On SQLite the writers' turn is taken at
         # the view's first statement and held to the commit, so the view's
-        # reads and writes run under the write lock. On PostgreSQL the
-        # view's new event is held back (inbox.holding): when it is all the
-        # view wrote, the event, the claim and the answer are one statement.
-        with inbox.holding() as held, unit_of_work():
+        # reads and writes run under the write lock.
+        with store.transaction() as unit:
             raised = refused = False
             try:
                 rv = view(*args, **kwargs)
@@ -329,20 +346,13 @@ def _run_in_one_transaction(
             if raised:
                 # A view that raised keeps none of its writes: only its
                 # answer is saved.
-                session.rollback()
-                held.clear()
+                unit.discard()
             saved = (response.status_code, _saved_headers(response), response.get_data())
-            now = _now()
-            if len(held) == 1 and untouched(session):
-                claimed = records.save_with_event(req, saved, now, ttl, lock_timeout, held[0])
-            else:
-                inbox.write_held(held)
-                claimed = records.save_in_transaction(req, saved, now, ttl, lock_timeout)
-            if not claimed:
+            if not unit.save(req, saved, _now(), ttl, lock_timeout):
                 raise _KeyTaken()
-    except (_KeyTaken, inbox.ReservedIdTaken):
-        # The key was taken (answer from its record), or the event's
-        # reserved id was (the sequence went back: run with a fresh one).
+    except (_KeyTaken, RunAgain):
+        # The key was taken (answer from its record), or the unit could
+        # not be saved as it stood (run it again).
         return None
     except records.KeyLocked:
         _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
@@ -362,13 +372,15 @@ def _run_in_one_transaction(
 # -- two phases: the claim commits first, under a lease ----------------------
 
 
-def _two_phase(req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _two_phase(
+    store: Persistence, req: records.Request, view: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
     config = current_app.config
     lease = timedelta(seconds=int(config["IDEMPOTENCY_LEASE_SECONDS"]))
     ttl = timedelta(seconds=int(config["IDEMPOTENCY_TTL_SECONDS"]))
-    outcome = records.claim(req, _now(), lease, ttl)
+    outcome = store.claim(req, _now(), lease, ttl)
     if isinstance(outcome, records.Claimed):
-        return run_claimed(req, outcome, view, args, kwargs)
+        return run_claimed(req, outcome, view, args, kwargs, store)
     return _answer(req, outcome)
 
 
@@ -397,20 +409,21 @@ def run_claimed(
     view: Callable[..., Any],
     args: Any,
     kwargs: Any,
+    store: Persistence | None = None,
 ) -> Any:
     """Run the view under a two-phase claim and save its answer, fenced by the lease token.
 
     A holder whose lease was taken over answers 409 ``idempotency-lease-lost``
     and keeps none of its writes; the new holder's record is left as it is.
     """
-    session = db.session
+    store = store or Persistence()
     try:
         # On SQLite the view runs in the writers' turn (the unit of work's):
-        # hold() takes the write lock for the whole view anyway, and waiting
-        # for a turn is cheaper than polling for that lock. No turn within
-        # the busy timeout is a 503 below, and the key is freed for the retry.
-        with unit_of_work():
-            records.hold(claimed)
+        # the claimed transaction takes the write lock for the whole view
+        # anyway, and waiting for a turn is cheaper than polling for that
+        # lock. No turn within the busy timeout is a 503 below, and the key
+        # is freed for the retry.
+        with store.claimed_transaction(claimed) as unit:
             refused = False
             try:
                 rv = view(*args, **kwargs)
@@ -421,20 +434,18 @@ def run_claimed(
                 refused = refused_before_execution(exc)
                 if not refused:
                     # A view that raised keeps none of its writes: only the
-                    # answer is saved (the lock is taken again where SQLite
-                    # needs it).
-                    session.rollback()
-                    records.hold(claimed)
+                    # answer is saved.
+                    unit.discard()
             response = current_app.make_response(rv)
             if response.status_code >= 500 or refused:
                 # Nothing is saved, and the claim is released: the key is
                 # free for the retry.
                 raise _NotSaved(response)
-            records.complete(
-                claimed, response.status_code, _saved_headers(response), response.get_data(), _now()
+            unit.complete(
+                response.status_code, _saved_headers(response), response.get_data(), _now()
             )
     except _NotSaved as unsaved:
-        _release_quietly(claimed)
+        _release_quietly(store, claimed)
         return unsaved.response
     except records.LeaseLost:
         _log(logging.WARNING, "idempotency lease lost", "lease_lost", req, 409)
@@ -446,7 +457,7 @@ def run_claimed(
             )
         )
     except BaseException:
-        _release_quietly(claimed)
+        _release_quietly(store, claimed)
         raise
     _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
     if response.status_code < 300:
@@ -454,12 +465,10 @@ def run_claimed(
     return response
 
 
-def _release_quietly(claimed: records.Claimed) -> None:
+def _release_quietly(store: Persistence, claimed: records.Claimed) -> None:
     # If the database is what failed, the release fails too; the lease then
     # expires on its own and the next retry takes the key over.
     try:
-        with unit_of_work():
-            records.release(claimed)
+        store.release(claimed)
     except Exception:
-        db.session.rollback()
         log.warning("could not release idempotency claim %s", claimed.record_id, exc_info=True)

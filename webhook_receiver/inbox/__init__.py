@@ -8,11 +8,13 @@ the redeliveries' bookkeeping.
 
 - :func:`receive` stores one message, committed before it returns.
 - :func:`receive_many` stores a batch in one transaction (the broker
-  consumers' unit of work), one outcome per message.
+  consumers' unit of work), one outcome per message, with the
+  :class:`Position` each partition reads on from (:func:`stored_positions`).
 - :func:`add` writes a new event inside the caller's transaction, for an
   intake whose unit of work holds more than the event; inside
   :func:`holding` (PostgreSQL) it holds the event back instead, for the
-  caller to write in one statement with its own record.
+  caller to write in one statement with its own row (a
+  :class:`GuardedReceipt`) or in its transaction (:func:`write_held`).
 
 See docs/architecture.md for the layers and the commit points.
 """
@@ -23,22 +25,13 @@ from flask import Flask
 from sqlalchemy.orm import Session
 
 from . import duplicates
-from .batch import receive_many
+from .batch import receive_many, stored_positions
 from .batch_writes import ContentFingerprint
-from .in_transaction import (
-    HeldEvent,
-    ReservedIdTaken,
-    add,
-    check_reserved_id,
-    forget_reserved_ids,
-    holding,
-    init_held,
-    receipt_binds,
-    write_held,
-)
+from .held import GuardedReceipt, HeldEvent, ReservedIdTaken, holding, init_held, write_held
+from .in_transaction import add
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
 from .one import receive
-from .rows import EXTENSION, Routes
+from .rows import EXTENSION, Position, Routes
 
 __all__ = [
     "Accepted",
@@ -48,18 +41,16 @@ __all__ = [
     "Duplicate",
     "Message",
     "Outcome",
+    "Position",
+    "GuardedReceipt",
+    "HeldEvent",
+    "ReservedIdTaken",
     "add",
     "holding",
     "init_app",
     "receive",
     "receive_many",
-    # For the idempotency engine (idempotency/records.py and decorator.py),
-    # which writes a held event with its own record.
-    "HeldEvent",
-    "ReservedIdTaken",
-    "check_reserved_id",
-    "forget_reserved_ids",
-    "receipt_binds",
+    "stored_positions",
     "write_held",
 ]
 

@@ -11,44 +11,44 @@ its own under a lease (``claim``), for views whose effects reach other
 services; a claim in the view's own transaction, made with the saved
 response at once after the view (``save_in_transaction``), is never seen
 uncommitted, needs no lease, and commits with the view's writes and the
-saved response, or rolls back with them.
+saved response, or rolls back with them. The statements are built once,
+in statements.py.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import and_, bindparam, delete, func, or_, select, update
-from sqlalchemy.engine import CursorResult, Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.exc import OperationalError
 
-from ..database import (
+from ...database import (
     autocommit_connection,
     commit_without_waiting_for_disk,
-    insert_ignoring_conflicts,
     is_sqlite,
     unit_of_work,
     writer_turn,
 )
-from ..database_driver import DriverStatement, driver_cursor, transaction_cursor
-from ..extensions import db
-from ..inbox import (
-    HeldEvent,
-    ReservedIdTaken,
-    check_reserved_id,
-    forget_reserved_ids,
-    receipt_binds,
+from ...database_driver import driver_cursor, transaction_cursor
+from ...extensions import db
+from ...models import IdempotencyRecord
+from .statements import (
+    COMPLETE,
+    COMPLETED,
+    IN_PROGRESS,
+    LOOKUP,
+    claim_statement,
+    driver_statements,
 )
-from ..inbox.statements import receive_if, reserved_id_is_current
-from ..models import IdempotencyRecord
 
-IN_PROGRESS = "in_progress"
-COMPLETED = "completed"
+__all__ = ["COMPLETED", "IN_PROGRESS"]
 
 _t = IdempotencyRecord.__table__
 
@@ -155,7 +155,7 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
     uncommitted claim is not seen: its holder decides, see
     ``save_in_transaction``.
     """
-    statements = _driver_statements(db.engine)
+    statements = driver_statements(db.engine)
     statement, processors = statements.find, statements.find_processors
     with driver_cursor(db.engine) as cursor:
         params = statement.params({"b_client": req.client, "b_key": req.key})
@@ -170,7 +170,7 @@ def find(req: Request, now: datetime) -> Replay | Mismatch | InFlight | None:
 
 @dataclass(frozen=True)
 class _FoundRecord:
-    """A record as ``find`` reads it (the columns of ``_LOOKUP``)."""
+    """A record as ``find`` reads it (the columns of ``LOOKUP``)."""
 
     id: int
     state: str
@@ -180,56 +180,6 @@ class _FoundRecord:
     response_status: int | None
     response_headers: list[list[str]] | None
     response_body: bytes | None
-
-
-@dataclass(frozen=True)
-class _DriverStatements:
-    """The record's statements on one engine's driver (each engine its own dialect)."""
-
-    find: DriverStatement
-    # Each column of ``_LOOKUP``'s conversion of the value read.
-    find_processors: list[Any]
-    upsert: DriverStatement
-    # PostgreSQL: the upsert with the view's one new event (save_with_event),
-    # with its deliveries, and for an event no consumer takes.
-    upsert_with_event: DriverStatement | None
-    upsert_with_lone_event: DriverStatement | None
-
-
-# Per engine: the tests run apps on both databases.
-_BY_ENGINE: weakref.WeakKeyDictionary[Engine, _DriverStatements] = weakref.WeakKeyDictionary()
-
-
-def _driver_statements(engine: Engine) -> _DriverStatements:
-    """``_LOOKUP`` and the upsert of ``_upsert`` on ``engine``'s driver, built on first use.
-
-    A replay is the read and nothing else: through SQLAlchemy's execution
-    (a Connection, its result) the read cost about as much CPU as the rest
-    of the replay; the upsert too cost more than its statement. The
-    columns' own types still convert each value.
-    """
-    built = _BY_ENGINE.get(engine)
-    if built is None:
-        dialect = engine.dialect
-        built = _BY_ENGINE[engine] = _DriverStatements(
-            find=DriverStatement(_LOOKUP, dialect),
-            find_processors=[
-                column.type.dialect_impl(dialect).result_processor(dialect, None)
-                for column in _LOOKUP.selected_columns
-            ],
-            upsert=DriverStatement(_upsert_statement(dialect.name), dialect),
-            upsert_with_event=_with_event(dialect, deliveries=True),
-            upsert_with_lone_event=_with_event(dialect, deliveries=False),
-        )
-    return built
-
-
-def _with_event(dialect: Any, *, deliveries: bool) -> DriverStatement | None:
-    if dialect.name != "postgresql":
-        return None
-    # No claim with an event whose reserved id the sequence no longer covers.
-    claimed = _upsert_statement(dialect.name, only_if=reserved_id_is_current()).cte("claimed")
-    return DriverStatement(receive_if(claimed, deliveries=deliveries), dialect)
 
 
 def save_in_transaction(
@@ -245,77 +195,6 @@ def save_in_transaction(
     claim before the view and a completion after it), in the session's
     transaction, which commits the view's writes with it. False if the key
     is taken: roll back, and answer from its record (``find``).
-    """
-    values = _completed_values(req, response, now, ttl)
-    return _upsert(req, values, now, lock_timeout) is not None
-
-
-def save_with_event(
-    req: Request,
-    response: tuple[int, list[list[str]], bytes],
-    now: datetime,
-    ttl: timedelta,
-    lock_timeout: float,
-    event: HeldEvent,
-) -> bool:
-    """PostgreSQL: claim the key, save its response and write the view's event, in one statement.
-
-    For a view whose only write is one new event (``inbox.holding``): the
-    statement is its own transaction, so BEGIN and COMMIT cost no round
-    trips of their own. The event and its deliveries are written only if
-    the claim is; False if the key is taken (nothing was written). A
-    racing request's uncommitted claim is waited for as in ``_upsert``.
-    Raises ``inbox.ReservedIdTaken`` (nothing written) if the event's
-    reserved id was handed out again by a sequence that went back.
-    """
-    values = _completed_values(req, response, now, ttl)
-    params = {**values, "client": req.client, "key": req.key, "b_now": now}
-    params["b_lock_timeout"] = _lock_timeout_setting(lock_timeout)
-    params.update(receipt_binds(event))
-    statements = _driver_statements(db.engine)
-    statement = (
-        statements.upsert_with_event if event.consumers else statements.upsert_with_lone_event
-    )
-    if statement is None:
-        raise RuntimeError("save_with_event is PostgreSQL's: on SQLite inbox.add writes at once")
-    try:
-        with driver_cursor(db.engine) as cursor:
-            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
-    except OperationalError as exc:
-        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-            raise KeyLocked() from exc
-        raise
-    except IntegrityError as exc:
-        check_reserved_id(db.engine, exc)  # ReservedIdTaken: run the view again
-        raise
-    claimed_id, _written, id_current = row
-    if claimed_id is None and not id_current:
-        # Nothing was written as the sequence went back below the event's
-        # id, which the claim refused: run the view again with a fresh one.
-        forget_reserved_ids(db.engine)
-        raise ReservedIdTaken()
-    # Otherwise None: nothing was written, the key is taken.
-    return claimed_id is not None
-
-
-def _completed_values(
-    req: Request, response: tuple[int, list[list[str]], bytes], now: datetime, ttl: timedelta
-) -> dict[str, Any]:
-    """The columns of a record completed with ``response`` at its claim."""
-    status, headers, body = response
-    values = _claim_values(req, None, now, timedelta(0), ttl)
-    values.update(state=COMPLETED, lease_expires_at=None, completed_at=now)
-    values.update(response_status=status, response_headers=headers, response_body=body)
-    return values
-
-
-def _lock_timeout_setting(seconds: float) -> str:
-    # PostgreSQL's lock_timeout, in whole milliseconds (0 would mean none).
-    return f"{max(1, round(seconds * 1000))}ms"
-
-
-def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: float) -> int | None:
-    """Insert the record, or take over an expired or abandoned one; its id, or None if taken.
 
     A record under the key that answers for itself is left alone. A record
     of another transaction not yet committed is waited for: if it commits,
@@ -324,69 +203,43 @@ def _upsert(req: Request, values: dict[str, Any], now: datetime, lock_timeout: f
     the writers' turn and the write lock serialise whole transactions,
     bounded by the busy timeout (a 503, as for any write).
     """
-    params = {**values, "client": req.client, "key": req.key, "b_now": now}
     connection = db.session.connection()
-    dialect = connection.dialect.name
+    params = completed_params(req, response, now, ttl, lock_timeout, connection.dialect.name)
+    statement = driver_statements(connection.engine).upsert
+    with key_locked_raised(), transaction_cursor(connection) as cursor:
+        row = cursor.execute(statement.sql, statement.params(params)).fetchone()
+    return row is not None
+
+
+def completed_params(
+    req: Request,
+    response: tuple[int, list[list[str]], bytes],
+    now: datetime,
+    ttl: timedelta,
+    lock_timeout: float,
+    dialect: str,
+) -> dict[str, Any]:
+    """The parameters of ``upsert_statement`` for a record completed at its claim."""
+    status, headers, body = response
+    values = _claim_values(req, None, now, timedelta(0), ttl)
+    values.update(state=COMPLETED, lease_expires_at=None, completed_at=now)
+    values.update(response_status=status, response_headers=headers, response_body=body)
+    params = {**values, "client": req.client, "key": req.key, "b_now": now}
     if dialect != "sqlite":
-        params["b_lock_timeout"] = _lock_timeout_setting(lock_timeout)
-    statement = _driver_statements(connection.engine).upsert
+        # PostgreSQL's lock_timeout, in whole milliseconds (0 would mean none).
+        params["b_lock_timeout"] = f"{max(1, round(lock_timeout * 1000))}ms"
+    return params
+
+
+@contextmanager
+def key_locked_raised() -> Iterator[None]:
+    """Raise KeyLocked for a statement whose wait for another holder's lock timed out."""
     try:
-        with transaction_cursor(connection) as cursor:
-            row = cursor.execute(statement.sql, statement.params(params)).fetchone()
+        yield
     except OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
             raise KeyLocked() from exc
         raise
-    return None if row is None else cast(int, row[0])
-
-
-_UPSERT_COLUMNS = (
-    *("client", "key", "fingerprint", "method", "path", "state", "lease_token"),
-    *("lease_expires_at", "created_at", "expires_at", "completed_at", "response_status"),
-    *("response_headers", "response_body"),
-)
-
-
-def _upsert_statement(dialect: str, only_if: Any = None) -> Any:
-    """The upsert of ``_upsert`` for this dialect; on PostgreSQL, only if ``only_if`` holds."""
-    params = {name: bindparam(name, type_=_t.c[name].type) for name in _UPSERT_COLUMNS}
-    now = bindparam("b_now", type_=_t.c.expires_at.type)
-    takeable = or_(
-        _t.c.expires_at <= now, and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at <= now)
-    )
-    if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        insert: Any = sqlite_insert(_t).values(params)
-    else:
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        # The statement sets the lock timeout itself (for the rest of the
-        # transaction) before its row can meet an uncommitted one: a
-        # SET LOCAL of its own would cost a round trip per new key.
-        lock_timeout = func.set_config("lock_timeout", bindparam("b_lock_timeout"), True)
-        row = select(*params.values()).where(lock_timeout.is_not(None))
-        if only_if is not None:
-            row = row.where(only_if)
-        insert = pg_insert(_t).from_select(list(_UPSERT_COLUMNS), row)
-    statement = insert.on_conflict_do_update(
-        index_elements=["client", "key"],
-        set_={name: insert.excluded[name] for name in _UPSERT_COLUMNS[2:]},
-        where=takeable,
-    ).returning(_t.c.id)
-    return statement
-
-
-_LOOKUP = select(
-    _t.c.id,
-    _t.c.state,
-    _t.c.fingerprint,
-    _t.c.lease_expires_at,
-    _t.c.expires_at,
-    _t.c.response_status,
-    _t.c.response_headers,
-    _t.c.response_body,
-).where(_t.c.client == bindparam("b_client"), _t.c.key == bindparam("b_key"))
 
 
 def _claim_values(
@@ -405,20 +258,6 @@ def _claim_values(
     }
 
 
-_CLAIM_COLUMNS = (
-    "client",
-    "key",
-    "fingerprint",
-    "method",
-    "path",
-    "state",
-    "lease_token",
-    "lease_expires_at",
-    "created_at",
-    "expires_at",
-)
-
-
 def _lookup_or_claim(req: Request, claim_values: dict[str, Any]) -> tuple[Any, int | None]:
     """Read the record under the key or, when there is none, insert this claim.
 
@@ -432,53 +271,17 @@ def _lookup_or_claim(req: Request, claim_values: dict[str, Any]) -> tuple[Any, i
     with autocommit_connection() as conn:
         if is_sqlite():
             # A read needs no turn at the write lock; only a fresh key writes.
-            row = conn.execute(_LOOKUP, params).one_or_none()
+            row = conn.execute(LOOKUP, params).one_or_none()
             if row is not None:
                 return row, None
             with writer_turn():
-                return None, conn.execute(_claim_statement("sqlite"), values).scalar()
+                return None, conn.execute(claim_statement("sqlite"), values).scalar()
         # PostgreSQL: the read and the insert are one statement, its own
         # transaction (one round trip for a replay and for a claim alike).
-        row = conn.execute(_claim_statement("postgresql"), {**params, **values}).one()
+        row = conn.execute(claim_statement("postgresql"), {**params, **values}).one()
     if row.claimed_id is not None:
         return None, row.claimed_id
     return (row if row.id is not None else None), None
-
-
-_CLAIMS: dict[str, Any] = {}
-
-
-def _claim_statement(dialect: str) -> Any:
-    """The claim's INSERT (SQLite), or the read-or-insert statement (PostgreSQL)."""
-    statement = _CLAIMS.get(dialect)
-    if statement is not None:
-        return statement
-    if dialect == "sqlite":
-        statement = (
-            insert_ignoring_conflicts(_t, ["client", "key"])
-            .values({name: bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS})
-            .returning(_t.c.id)
-        )
-    else:
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        stored = _LOOKUP.cte("stored")
-        new_row = select(
-            *[bindparam(name, type_=_t.c[name].type) for name in _CLAIM_COLUMNS]
-        ).where(~select(stored.c.id).exists())
-        claimed = (
-            pg_insert(_t)
-            .from_select(list(_CLAIM_COLUMNS), new_row)
-            .on_conflict_do_nothing(index_elements=["client", "key"])
-            .returning(_t.c.id)
-            .cte("claimed")
-        )
-        statement = select(
-            *[select(column).scalar_subquery().label(column.name) for column in stored.c],
-            select(claimed.c.id).scalar_subquery().label("claimed_id"),
-        )
-    _CLAIMS[dialect] = statement
-    return statement
 
 
 def _take_over(
@@ -540,7 +343,7 @@ def complete(
 ) -> None:
     """Save the response in the current transaction; raise LeaseLost if the lease was lost."""
     result = db.session.connection().execute(
-        _COMPLETE,
+        COMPLETE,
         {
             "b_id": claimed.record_id,
             "b_token": claimed.token,
@@ -552,22 +355,6 @@ def complete(
     )
     if result.rowcount != 1:
         raise LeaseLost()
-
-
-# Built once: building it per request cost more CPU than running it.
-_COMPLETE = (
-    update(_t)
-    .where(_t.c.id == bindparam("b_id"), _t.c.lease_token == bindparam("b_token"))
-    .values(
-        state=COMPLETED,
-        lease_token=None,
-        lease_expires_at=None,
-        completed_at=bindparam("b_now", type_=_t.c.completed_at.type),
-        response_status=bindparam("b_status", type_=_t.c.response_status.type),
-        response_headers=bindparam("b_headers", type_=_t.c.response_headers.type),
-        response_body=bindparam("b_body", type_=_t.c.response_body.type),
-    )
-)
 
 
 def release(claimed: Claimed) -> None:
