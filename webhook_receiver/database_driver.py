@@ -128,23 +128,24 @@ def driver_cursor(engine: Engine) -> Iterator[Any]:
     """
     pinned = _PINNED.get()
     if pinned is not None and pinned[0] is engine:
-        pooled = pinned[1]
-        with driver_errors(engine, lambda: pooled):
-            cursor = pooled.driver_connection.cursor()
-            try:
-                yield cursor
-            finally:
-                cursor.close()
+        with _cursor(engine, pinned[1]) as cursor:
+            yield cursor
         return
-    with _autocommit_connection(engine) as pooled:
-        with driver_errors(engine, lambda: pooled):
-            cursor = pooled.driver_connection.cursor()
-            try:
-                yield cursor
-            finally:
-                # Closing ends the statement: on SQLite an autocommitted
-                # statement commits only once it is finished.
-                cursor.close()
+    with _autocommit_connection(engine) as pooled, _cursor(engine, pooled) as cursor:
+        yield cursor
+
+
+@contextmanager
+def _cursor(engine: Engine, pooled: Any) -> Iterator[Any]:
+    """A cursor of ``pooled``'s driver connection, closed after the block."""
+    with driver_errors(engine, lambda: pooled):
+        cursor = pooled.driver_connection.cursor()
+        try:
+            yield cursor
+        finally:
+            # Closing ends the statement: on SQLite an autocommitted
+            # statement commits only once it is finished.
+            cursor.close()
 
 
 @contextmanager

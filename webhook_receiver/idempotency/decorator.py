@@ -191,11 +191,23 @@ def _answer(
             "this Idempotency-Key was used with a different request",
         )
     _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
-    raise Problem(
+    raise _in_use(outcome.retry_after)
+
+
+def _in_use(retry_after: int) -> Problem:
+    return Problem(
         "idempotency-key-in-use",
         "a request with this Idempotency-Key is being processed; retry later",
-        headers={"Retry-After": str(outcome.retry_after)},
+        headers={"Retry-After": str(retry_after)},
     )
+
+
+def _completed(req: records.Request, response: Response) -> Response:
+    """Log and count a request whose answer was saved under its key."""
+    _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
+    if response.status_code < 300:
+        metrics.received(_source(req))
+    return response
 
 
 # -- one commit: the claim, the view's writes and the response together ------
@@ -356,17 +368,8 @@ def _run_in_one_transaction(
         return None
     except records.KeyLocked:
         _log(logging.INFO, "idempotency key in use", "in_flight", req, 409)
-        return problem_response(
-            Problem(
-                "idempotency-key-in-use",
-                "a request with this Idempotency-Key is being processed; retry later",
-                headers={"Retry-After": "1"},
-            )
-        )
-    _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
-    if response.status_code < 300:
-        metrics.received(_source(req))
-    return response
+        return problem_response(_in_use(retry_after=1))
+    return _completed(req, response)
 
 
 # -- two phases: the claim commits first, under a lease ----------------------
@@ -459,10 +462,7 @@ def run_claimed(
     except BaseException:
         _release_quietly(store, claimed)
         raise
-    _log(logging.INFO, "idempotent request completed", "completed", req, response.status_code)
-    if response.status_code < 300:
-        metrics.received(_source(req))
-    return response
+    return _completed(req, response)
 
 
 def _release_quietly(store: Persistence, claimed: records.Claimed) -> None:
