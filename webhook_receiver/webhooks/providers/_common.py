@@ -104,6 +104,35 @@ def from_b64(value: str) -> bytes | None:
 MAX_TIMESTAMP_DIGITS = 12
 
 
+def stamped_signatures(
+    inbound: Inbound, name: str, separator: str, stamp: str, signature: str
+) -> tuple[str, list[bytes]]:
+    """A ``<stamp>=<time><sep><signature>=<hex>...`` header: its one time, and every hex digest.
+
+    The shape Stripe and Paddle share. Other schemes in the header (test
+    signatures, ones added later) are ignored, as the senders' SDKs do; an
+    undecodable digest is one that cannot match.
+    """
+    stamps: list[str] = []
+    signatures: list[bytes] = []
+    for item in header(inbound, name).split(separator):
+        scheme, sep, data = item.strip().partition("=")
+        if not sep:
+            raise SignatureError(f"malformed {name} header")
+        if scheme == stamp:
+            stamps.append(data)
+        elif scheme == signature:
+            digest = from_hex(data)
+            if digest is not None:
+                signatures.append(digest)
+    # Unix seconds have 10 digits until 2286: a far longer stamp is not a time.
+    if len(stamps) != 1 or len(stamps[0]) > 15:
+        raise SignatureError(f"malformed {name} header")
+    if not signatures:
+        raise SignatureError(f"no {signature} signature in {name} header")
+    return stamps[0], signatures
+
+
 def timestamp(value: str, name: str) -> int:
     """Parse a unix-seconds header, raising SignatureError when malformed."""
     # Digits only: int() would also take signs, spaces and underscores.

@@ -21,26 +21,10 @@ class PaddleProvider:
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """Check any h1 signature against every secret, then the timestamp."""
-        stamps: list[str] = []
-        signatures: list[bytes] = []
-        for item in c.header(inbound, "Paddle-Signature").split(";"):
-            scheme, sep, data = item.strip().partition("=")
-            if not sep:
-                raise SignatureError("malformed Paddle-Signature header")
-            if scheme == "ts":
-                stamps.append(data)
-            elif scheme == "h1":
-                digest = c.from_hex(data)
-                if digest is not None:
-                    signatures.append(digest)
-            # Schemes Paddle may add later are ignored: h1 is what is checked.
-        # Unix seconds have 10 digits until 2286: a far longer ts is not a time.
-        if len(stamps) != 1 or len(stamps[0]) > 15:
-            raise SignatureError("malformed Paddle-Signature header")
-        signed_at = c.timestamp(stamps[0], "Paddle-Signature")
-        if not signatures:
-            raise SignatureError("no h1 signature in Paddle-Signature header")
-        message = f"{stamps[0]}:".encode() + inbound.body
+        # Schemes Paddle may add later are ignored: h1 is what is checked.
+        stamp, signatures = c.stamped_signatures(inbound, "Paddle-Signature", ";", "ts", "h1")
+        signed_at = c.timestamp(stamp, "Paddle-Signature")
+        message = f"{stamp}:".encode() + inbound.body
         expected = (c.hmac_sha256(s.encode(), message) for s in c.secrets_of(source))
         if not c.any_match(expected, signatures):
             raise SignatureError("signature does not match")

@@ -15,25 +15,9 @@ class StripeProvider:
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """Check any v1 signature against every secret, then the timestamp."""
-        value = c.header(inbound, "Stripe-Signature")
-        stamps: list[str] = []
-        signatures: list[bytes] = []
-        for item in value.split(","):
-            scheme, sep, data = item.strip().partition("=")
-            if not sep:
-                raise SignatureError("malformed Stripe-Signature header")
-            if scheme == "t":
-                stamps.append(data)
-            elif scheme == "v1":
-                digest = c.from_hex(data)
-                if digest is not None:
-                    signatures.append(digest)
-            # Other schemes (v0 test signatures, future ones) are ignored, as Stripe's SDK does.
-        if len(stamps) != 1:
-            raise SignatureError("malformed Stripe-Signature header")
-        signed_at = c.timestamp(stamps[0], "Stripe-Signature")
-        if not signatures:
-            raise SignatureError("no v1 signature in Stripe-Signature header")
+        # Other schemes (v0 test signatures, future ones) are ignored, as Stripe's SDK does.
+        stamp, signatures = c.stamped_signatures(inbound, "Stripe-Signature", ",", "t", "v1")
+        signed_at = c.timestamp(stamp, "Stripe-Signature")
         # Stripe keys the HMAC with the whsec_... string itself, not its decoding.
         message = f"{signed_at}.".encode() + inbound.body
         expected = (c.hmac_sha256(s.encode(), message) for s in c.secrets_of(source))
