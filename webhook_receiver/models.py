@@ -237,6 +237,27 @@ class EntityVersion(Model):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class BrokerPosition(Model):
+    """Where a broker consumer reads next, per (source, topic, partition): not an event.
+
+    Written in the transaction of the batch it follows (``inbox.receive_many``
+    with ``positions``), so a consumer that seeks to it after a crash reads
+    on from exactly what was stored. Overwritten, never only moved forward:
+    a consumer may seek back on purpose. Not purged with the events, and
+    kept when a source is removed from the configuration.
+    """
+
+    __tablename__ = "broker_positions"
+    __table_args__ = (UniqueConstraint("source", "topic", "partition"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    source: Mapped[str] = mapped_column(String(200))
+    topic: Mapped[str] = mapped_column(String(255))
+    partition: Mapped[int] = mapped_column(Integer)
+    next_offset: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class AdminSession(Model):
     """An open admin session, so that logging out ends it on the server, not only in the cookie."""
 

@@ -106,11 +106,20 @@ def prepare(
     return Prepared(messages, verdicts)
 
 
-def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
+def store(
+    source: BrokerSourceConfig,
+    prepared: Prepared,
+    *,
+    positions: Sequence[inbox.Position] = (),
+) -> list[Verdict]:
     """Store a prepared batch in one transaction; a verdict per message (needs an app context).
 
     Raises DatabaseUnavailable, with nothing committed, when the database
-    is away or locked.
+    is away or locked. ``positions`` (a partitioned log's consumer: where
+    the source reads on from) are written in the batch's transaction; when
+    its messages are stored one at a time, after the last one, in a
+    transaction of their own (whether the last one was stored or
+    dead-lettered), once.
     """
     messages, verdicts = prepared
     compare = content_fingerprint(source)
@@ -119,9 +128,11 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
         # A stalled database is said once, past a few seconds; the statement
         # timeout then ends the wait as an outage.
         with stall_watch("broker batch store", source=source.name):
-            outcomes = inbox.receive_many(messages, content_fingerprint=compare)
+            outcomes = inbox.receive_many(
+                messages, content_fingerprint=compare, positions=positions
+            )
     except Exception as exc:
-        _raise_if_unavailable(exc)
+        raise_if_unavailable(exc)
         # One message the database (or a bug) refuses must not hold back the
         # batch on every redelivery: store them one by one to find it.
         log.warning(
@@ -131,6 +142,12 @@ def store(source: BrokerSourceConfig, prepared: Prepared) -> list[Verdict]:
             exc_info=not isinstance(exc, DBAPIError),
         )
         outcomes = [_one(message, compare) for message in messages]
+        if positions:
+            try:
+                inbox.receive_many([], positions=positions)
+            except Exception as exc:
+                raise_if_unavailable(exc)
+                raise
     _count(source.name, outcomes)
     # Before the acks: the batch before's redelivery counts are written, this
     # batch's hurried (the ledger would otherwise hold them up to a second).
@@ -145,14 +162,15 @@ def _one(message: Message, compare: inbox.ContentFingerprint) -> Outcome | Verdi
     try:
         return inbox.receive_many([message], content_fingerprint=compare)[0]
     except Exception as exc:
-        _raise_if_unavailable(exc)
+        raise_if_unavailable(exc)
         if isinstance(exc, DBAPIError):
             return Verdict(DEAD_LETTER, UNSTORABLE, type(exc.orig or exc).__name__)
         log.exception("source %s: a message could not be stored", message.source)
         return Verdict(DEAD_LETTER, CONSUMER_ERROR, _name(exc))
 
 
-def _raise_if_unavailable(exc: Exception) -> None:
+def raise_if_unavailable(exc: Exception) -> None:
+    """Raise DatabaseUnavailable from ``exc`` when it says the database is away or locked."""
     if isinstance(exc, DBAPIError | PoolTimeoutError) and is_unavailable(exc):
         # A driver error says more than SQLAlchemy's wrapper; a pool timeout has none.
         raise DatabaseUnavailable(str(getattr(exc, "orig", None) or exc)) from exc

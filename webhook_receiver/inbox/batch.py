@@ -11,11 +11,12 @@ from collections.abc import Sequence
 
 from sqlalchemy.engine import Connection, Engine
 
-from ..database import transaction
+from ..database import autocommit_connection, transaction
 from ..database_driver import driver_cursor
 from ..extensions import db
 from ..models import utcnow
-from . import duplicates
+from . import batch_statements, duplicates
+from .batch_statements import Positions, latest
 from .batch_writes import (
     Batch,
     ContentFingerprint,
@@ -23,13 +24,14 @@ from .batch_writes import (
     Writer,
     find_taken_sqlite,
     write_core,
+    write_positions,
     write_postgresql,
     write_postgresql_in_transaction,
     write_sqlite,
 )
 from .logs import log, log_batch, log_outcome
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
-from .rows import EventUnderKey, event_values, keep_conflicts
+from .rows import EventUnderKey, Position, event_values, keep_conflicts
 from .statements import Statements, for_engine
 
 
@@ -39,6 +41,7 @@ def receive_many(
     all_or_nothing: bool = False,
     fast: bool = True,
     content_fingerprint: ContentFingerprint | None = None,
+    positions: Sequence[Position] = (),
 ) -> list[Outcome]:
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
@@ -62,17 +65,31 @@ def receive_many(
     from its key's event is compared again by this fingerprint of the
     content (canonical JSON, say), computed for both; the same, it is a
     duplicate. A conflict is then kept under its content fingerprint.
+
+    ``positions``: where the batch's source reads on from, per topic and
+    partition (a consumer of a partitioned log), upserted in the batch's
+    transaction: they commit with its events and conflicts, or not at all
+    (an all-or-nothing batch refused writes none). On PostgreSQL they ride
+    in its one statement, or, when a conflict is to be compared and kept
+    after it, in that second transaction. Without messages (a batch of
+    poison records only) they are a transaction of their own. A later
+    position of the same partition wins; an earlier offset overwrites a
+    later one (a consumer that seeks back on purpose).
     """
-    if not messages:
-        return []
     engine = db.engine
+    moved = latest(positions)
+    if not messages:
+        if moved:
+            with transaction(engine) as conn:
+                write_positions(conn, moved, utcnow())
+        return []
     statements = for_engine(engine)
     now = utcnow()
     first: dict[tuple[str, str], int] = {}
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
-    batch = Batch(messages, first, rows, now, content_fingerprint)
+    batch = Batch(messages, first, rows, now, content_fingerprint, moved)
     try:
         outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
     except _Refused as refused:
@@ -97,6 +114,14 @@ def receive_many(
     return outcomes
 
 
+def stored_positions(source: str) -> dict[tuple[str, int], int]:
+    """The positions stored for ``source``: (topic, partition) -> the next offset to read."""
+    statement = batch_statements.for_engine(db.engine).find_positions
+    with autocommit_connection() as conn:
+        rows = conn.execute(statement, {"p_source": source})
+        return {(topic, partition): offset for topic, partition, offset in rows}
+
+
 class _Refused(Exception):
     """Roll an all-or-nothing batch back; carries its outcomes, new ids and conflicts."""
 
@@ -118,10 +143,12 @@ def _store_batch(
         # transaction: one round trip where BEGIN, the statement and COMMIT
         # were three, each a wait for a consumer's storing thread to get the
         # GIL back.
+        ridden = batch_statements.for_engine(engine).ridden_batch
         with driver_cursor(engine) as cursor:
-            new_ids, stored = write_postgresql(cursor, statements, batch)
+            new_ids, stored, moved = write_postgresql(cursor, statements, batch, ridden)
         outcomes, conflicts = _settle_batch(batch, new_ids, stored)
-        conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
+        left = {} if moved else batch.positions
+        conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts, left)
         return outcomes, new_ids, conflicts
     write: Writer = (
         write_postgresql_in_transaction if postgresql else write_sqlite if fast else write_core
@@ -139,7 +166,8 @@ def _store_batch_sqlite(
     the redeliveries' ledger or another consumer may hold it), nor the rows'
     parameters and INSERT it would skip. Only after such a batch, so that
     new events never pay for the read; a key found free sends the batch to
-    its transaction all the same.
+    its transaction all the same. Its positions, if any, are then its one
+    transaction, with its conflicts if it has some.
     """
     source = batch.messages[0].source
     runs = _ALL_TAKEN.setdefault(engine, set())
@@ -148,7 +176,9 @@ def _store_batch_sqlite(
             stored = find_taken_sqlite(cursor, statements, list(batch.first))
         if len(stored) == len(batch.first):
             outcomes, conflicts = _settle_batch(batch, {}, stored)
-            conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts)
+            conflicts = _keep_conflicts_after(
+                engine, statements, batch, outcomes, conflicts, batch.positions
+            )
             return outcomes, {}, conflicts
     settled = _store_in_transaction(engine, statements, batch, False, write_sqlite)
     if settled[1]:
@@ -164,16 +194,20 @@ def _keep_conflicts_after(
     batch: Batch,
     outcomes: list[Outcome],
     conflicts: list[tuple[Message, int]],
+    positions: Positions,
 ) -> list[tuple[Message, int]]:
     """Compare and keep a batch's conflicts in a transaction of their own, after its events'.
 
-    Should this fail, receive_many raises before any message is settled,
-    and the redelivery finds the same conflict again.
+    The batch's ``positions`` not yet written go with them: only then is
+    the whole batch stored. Should this fail, receive_many raises before
+    any message is settled, and the redelivery finds the same conflict again.
     """
-    if conflicts:
+    if conflicts or positions:
         with transaction(engine) as conn:
-            conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
-            keep_conflicts(conn, statements, conflicts, batch.now)
+            if conflicts:
+                conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
+                keep_conflicts(conn, statements, conflicts, batch.now)
+            write_positions(conn, positions, batch.now)
     return conflicts
 
 
@@ -199,6 +233,7 @@ def _one_transaction(
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
         keep_conflicts(conn, statements, conflicts, batch.now)
+        write_positions(conn, batch.positions, batch.now)
     return outcomes, new_ids, conflicts
 
 

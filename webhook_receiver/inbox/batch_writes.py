@@ -11,6 +11,8 @@ from sqlalchemy.engine import Connection
 
 from ..database_driver import transaction_cursor
 from ..outbox.deliveries import new_delivery_columns
+from .batch_statements import Positions, RiddenBatch
+from .batch_statements import for_engine as batch_statements_for
 from .messages import Message
 from .rows import EventUnderKey, current_routes, delivery_rows
 from .statements import Statements
@@ -31,6 +33,8 @@ class Batch(NamedTuple):
     rows: list[dict[str, Any]]
     now: datetime
     content_fingerprint: ContentFingerprint | None
+    # The positions its transaction moves its source to (see batch_statements.py).
+    positions: Positions
 
 
 # What a batch's writes found: the new events' ids, and the events already
@@ -123,22 +127,37 @@ def write_postgresql_in_transaction(
 ) -> Written:
     """PostgreSQL's one statement inside the caller's transaction (an all-or-nothing batch)."""
     with transaction_cursor(conn) as cursor:
-        return write_postgresql(cursor, statements, batch)
+        new_ids, stored, _ = write_postgresql(cursor, statements, batch)
+        return new_ids, stored
 
 
-def write_postgresql(cursor: Any, statements: Statements, batch: Batch) -> Written:
-    """PostgreSQL: the taken keys' read, the events and their deliveries in one statement."""
+def write_postgresql(
+    cursor: Any, statements: Statements, batch: Batch, ridden: RiddenBatch | None = None
+) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], EventUnderKey], bool]:
+    """PostgreSQL: the taken keys' read, the events and their deliveries in one statement.
+
+    With ``ridden``, the batch's positions too, when the statement settles
+    every message (batch_statements.RiddenBatch); the third value says
+    whether it wrote them.
+    """
     sql = statements.batch_insert
     messages, first = batch.messages, batch.first
     wanted = _wanted_deliveries([messages[i] for i in first.values()], batch.now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], EventUnderKey] = {}
+    text, params = sql.sql, sql.params(batch.rows, wanted)
+    if ridden is not None and batch.positions and not _repeated_otherwise(batch):
+        text = ridden.sql
+        params.update(ridden.params(batch.positions, batch.now))
+    moved = False
     # Never prepared: planned for each batch, with its rows and the table
     # as they are then. A plan cached early (psycopg prepares a statement on
     # its fifth run) made batches of 100 five times slower as the table grew.
-    cursor.execute(sql.sql, sql.params(batch.rows, wanted), prepare=False)
+    cursor.execute(text, params, prepare=False)
     for event_id, source, key, print_, is_new in cursor.fetchall():
-        if is_new:
+        if is_new is None:  # RiddenBatch's row: the positions were written
+            moved = True
+        elif is_new:
             new_ids[(source, key)] = event_id
         else:
             stored[(source, key)] = EventUnderKey(event_id, print_)
@@ -149,7 +168,24 @@ def write_postgresql(cursor: Any, statements: Statements, batch: Batch) -> Writt
         cursor.execute(sql.find_sql, keys)
         for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = EventUnderKey(event_id, print_)
-    return new_ids, stored
+    return new_ids, stored, moved
+
+
+def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
+    """Upsert ``moved`` in ``conn``'s transaction (the batch's, or one of their own)."""
+    if moved:
+        statements = batch_statements_for(conn.engine)
+        conn.execute(statements.upsert_positions, statements.position_rows(moved, now))
+
+
+def _repeated_otherwise(batch: Batch) -> bool:
+    """Whether a key comes again in the batch with another fingerprint: a possible conflict."""
+    messages, first = batch.messages, batch.first
+    if len(first) == len(messages):
+        return False
+    return any(
+        m.fingerprint != messages[first[(m.source, m.dedup_key)]].fingerprint for m in messages
+    )
 
 
 def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import current_app
 from sqlalchemy.engine import Connection
@@ -33,6 +33,19 @@ def current_routes() -> Routes:
     """The app's routes: the consumers of a new event, by its source and type."""
     routes: Routes = current_app.extensions[EXTENSION]
     return routes
+
+
+class Position(NamedTuple):
+    """Where a consumer of a partitioned log reads next: stored with the batch it follows.
+
+    ``next_offset`` is the offset of the first record not yet stored (the
+    last stored one's plus one), as Kafka commits it.
+    """
+
+    source: str
+    topic: str
+    partition: int
+    next_offset: int
 
 
 @dataclass(frozen=True)

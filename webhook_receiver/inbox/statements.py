@@ -210,8 +210,10 @@ class BatchRows:
         # taken by a copy committed since is in neither result (find_sql).
         # Only the keys the INSERT skipped are looked up: a batch of new
         # events reads nothing.
-        self.sql = (
-            f"WITH batch AS ({self._events.select('events')}), "
+        # The CTEs and the results apart, so that a statement may add its own
+        # CTEs (batch_statements.py: a batch's riders).
+        self.ctes = (
+            f"batch AS ({self._events.select('events')}), "
             f"inserted AS (INSERT INTO events ({columns}) SELECT * FROM batch "
             "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key), "
             f"stored AS ({_TAKEN} FROM (SELECT source, dedup_key FROM batch AS b "
@@ -221,10 +223,13 @@ class BatchRows:
             f"enqueued AS (INSERT INTO deliveries (event_id, {wanted}) "
             f"SELECT i.id, {', '.join(f'w.{name}' for name in DELIVERY_COLUMNS)} "
             f"FROM inserted AS i JOIN ({self._deliveries.select('deliveries')}) AS w "
-            "ON w.source = i.source AND w.dedup_key = i.dedup_key) "
+            "ON w.source = i.source AND w.dedup_key = i.dedup_key)"
+        )
+        self.results = (
             "SELECT id, source, dedup_key, NULL, true FROM inserted "
             "UNION ALL SELECT id, source, dedup_key, fingerprint, false FROM stored"
         )
+        self.sql = f"WITH {self.ctes} {self.results}"
         # The keys taken by a racing copy, read back with their fingerprints.
         self.find_sql = (
             f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "
