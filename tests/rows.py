@@ -1,22 +1,7 @@
-"""Rows written straight into the tables, for tests that need a stored event as a given."""
+"""Kept for the tests that still import ``event_row`` from here: it lives in tests/helpers."""
 
 from __future__ import annotations
 
-import uuid
-from typing import Any
+from .helpers import event_row
 
-from webhook_receiver.models import utcnow
-
-
-def event_row(**columns: Any) -> dict[str, Any]:
-    """An ``events`` row's values: a fresh key, an empty JSON body, now; ``columns`` override."""
-    return {
-        "source": "test",
-        "dedup_key": uuid.uuid4().hex,
-        "fingerprint": "0" * 64,
-        "body": b"{}",
-        "headers": [],
-        "meta": {},
-        "received_at": utcnow(),
-        **columns,
-    }
+__all__ = ["event_row"]

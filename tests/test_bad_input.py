@@ -15,8 +15,6 @@ and the corrected request with the same key is answered afresh.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import socket
 import time
@@ -28,8 +26,8 @@ import requests
 from sqlalchemy import create_engine, text
 
 from .conftest import ACME_TOKEN
+from .helpers import signing as s
 from .servers import Server, gunicorn
-from .webhooks import signing as s
 
 LIMIT = 64 * 1024
 CONFIG = f"""
@@ -98,10 +96,9 @@ def chunked(body: bytes, size: int = 4096) -> bytes:
     return b"".join(parts) + b"0\r\n\r\n"
 
 
-def stripe_signature(body: bytes, secret: str = s.STRIPE_SECRET) -> bytes:
-    t = int(time.time())
-    digest = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={t},v1={digest}".encode()
+def stripe_signature(body: bytes) -> bytes:
+    """A ``Stripe-Signature`` of ``body`` for the test source, now."""
+    return s.stripe_signature(body, s.STRIPE_SECRET, int(time.time())).encode()
 
 
 JSON = (b"Content-Type", b"application/json")
@@ -116,7 +113,7 @@ def webhook(body: bytes, *extra: tuple[bytes, bytes], sign_for: bytes | None = N
 def github_delivery(*ids: bytes) -> bytes:
     """A correctly signed GitHub delivery whose X-GitHub-Delivery line comes once per id."""
     body = b'{"action":"opened","zen":"ok"}'
-    digest = hmac.new(s.GITHUB_SECRET.encode(), body, hashlib.sha256).hexdigest()
+    digest = s.hmac_hex(body, s.GITHUB_SECRET)
     headers = [(b"X-Hub-Signature-256", f"sha256={digest}".encode()), JSON]
     headers += [(b"X-GitHub-Event", b"issues")] + [(b"X-GitHub-Delivery", i) for i in ids]
     return request("/webhooks/github", headers, body)
@@ -521,3 +518,25 @@ def test_a_source_that_takes_any_bytes_needs_no_content_type(make_app):
         content_type=None,
     )
     assert response.status_code == 200, response.get_json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size_line", [b"zz", b"ffffffffffffffffffff", b"-1", b"5;\rx"])
+def test_a_malformed_chunk_size_is_a_400_on_every_path(server, size_line):
+    for path, problem_json in [
+        ("/webhooks/stripe-live", True),
+        ("/api/events", True),
+        ("/admin/login", False),
+        ("/nowhere", False),
+    ]:
+        response = raw(
+            server,
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + size_line
+            + b"\r\nabc\r\n0\r\n\r\n",
+        )
+        assert response.status == 400, (path, response.status, response.body[:300])
+        if problem_json:
+            assert response.headers.get("content-type") == "application/problem+json", path
+    assert requests.get(server.url + "/healthz", timeout=5).status_code == 200

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import requests
-from sqlalchemy import create_engine, func, select
 
-from webhook_receiver.models import Event, IdempotencyRecord
+from webhook_receiver.models import IdempotencyRecord
 
 from .conftest import ACME_TOKEN, bearer
+from .helpers import count_at
 from .servers import gunicorn
 
 LIMIT = 1000
@@ -27,14 +27,8 @@ def chunks(data: bytes, size: int = 300):
 
 
 def stored(db_url: str) -> tuple[int, int]:
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        counts = tuple(
-            conn.scalar(select(func.count()).select_from(m.__table__))
-            for m in (Event, IdempotencyRecord)
-        )
-    engine.dispose()
-    return counts
+    """The number of events and of idempotency records."""
+    return count_at(db_url), count_at(db_url, IdempotencyRecord)
 
 
 @pytest.mark.slow

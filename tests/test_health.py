@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import bearer
+from .databases import read_only
 
 
 def test_healthz_answers_while_the_process_runs(client):
@@ -105,3 +106,17 @@ def test_readyz_refuses_an_empty_sqlite_file(make_app, tmp_path):
     response = app.test_client().get("/readyz")
     assert response.status_code == 503
     assert response.get_json()["type"] == "/problems/database-unavailable"
+
+
+def test_readyz_is_503_while_the_database_refuses_writes(make_app, db_url) -> None:
+    writable = make_app().test_client()
+    assert writable.get("/readyz").status_code == 200
+    client = make_app(**read_only(db_url)).test_client()
+    # Reads still work (the probe used to stop there) ...
+    assert client.get("/api/events/1", headers=bearer()).status_code == 404
+    # ... but a delivery could not be stored.
+    response = client.get("/readyz")
+    assert response.status_code == 503, response.get_data(as_text=True)
+    assert response.mimetype == "application/problem+json"
+    assert response.get_json()["type"] == "/problems/database-unavailable"
+    assert client.get("/healthz").status_code == 200

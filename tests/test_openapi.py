@@ -21,7 +21,7 @@ from webhook_receiver.problems import PROBLEM_JSON, PROBLEM_TYPES
 
 from .conftest import ACME_TOKEN, CLIENTS, GLOBEX_TOKEN, bearer
 from .helpers import post_event
-from .webhooks.signing import GENERIC_SECRET, SLACK_SECRET, hmac_hex, slack_delivery
+from .helpers.signing import GENERIC_SECRET, SLACK_SECRET, hmac_hex, slack_delivery
 
 SOURCES = {
     "partner": {

@@ -8,7 +8,7 @@ import traceback
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import insert, select
 
 from webhook_receiver import create_app
 from webhook_receiver.config import ConfigError
@@ -27,7 +27,7 @@ from webhook_receiver.outbox import deliveries
 from webhook_receiver.retention import purge
 
 from .conftest import CLIENTS, SECRET_KEY
-from .rows import event_row
+from .helpers import count, event_row
 from .servers import ROOT, app_env
 
 GENERIC = {"provider": "generic", "secrets": ["s" * 16], "signature_header": "X-Sig"}
@@ -63,10 +63,6 @@ def add_event(source: str, age_days: float, deliveries: tuple[str, ...] = ()) ->
         )
     db.session.commit()
     return event_id
-
-
-def count(model) -> int:
-    return db.session.scalar(select(func.count()).select_from(model))
 
 
 def surviving_ids() -> set[int]:
@@ -126,7 +122,7 @@ def test_an_event_with_an_unfinished_delivery_is_never_purged(app, runner):
     assert "kept 4 event(s) past retention" in result.output
     with app.app_context():
         assert surviving_ids() == blocked
-        assert count(Delivery) == 5  # the final deliveries went with their events
+        assert count(app, Delivery) == 5  # the final deliveries went with their events
         # Once its deliveries are final, the event goes on the next run.
         db.session.execute(
             Delivery.__table__.update()
@@ -135,7 +131,7 @@ def test_an_event_with_an_unfinished_delivery_is_never_purged(app, runner):
         )
         db.session.commit()
         assert purge(utcnow(), 2).events == 4
-        assert surviving_ids() == set() and count(Delivery) == 0
+        assert surviving_ids() == set() and count(app, Delivery) == 0
         assert not done & surviving_ids()
 
 
@@ -234,7 +230,7 @@ def test_idempotency_records_rejections_and_login_failures_are_pruned(app, runne
             (r.source, round((utcnow() - r.received_at).days))
             for r in db.session.scalars(select(Rejection))
         ) == [("long", 60), ("short", 2)]
-        assert count(AdminLoginFailure) == 1
+        assert count(app, AdminLoginFailure) == 1
 
 
 def test_batch_size_must_be_positive(app, runner):

@@ -22,8 +22,8 @@ from bench.front import nginx
 
 from .conftest import ACME_TOKEN
 from .helpers import count_at
+from .helpers import signing as s
 from .servers import gunicorn
-from .webhooks import signing as s
 
 pytestmark = pytest.mark.slow
 

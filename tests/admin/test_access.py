@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from flask import Flask
+from sqlalchemy import select
 
 from webhook_receiver.extensions import db
-from webhook_receiver.models import AdminLoginFailure, utcnow
+from webhook_receiver.models import AdminLoginFailure, Delivery, utcnow
 
-from .conftest import PASSWORD, add, event, login, post, text
+from ..helpers import count
+from .conftest import PASSWORD, add, csrf_token, delivery, event, login, post, text
 
 PAGES = [
     "/admin/",
@@ -85,8 +89,7 @@ def test_wrong_password_is_refused(anon, admin_app):
     assert response.status_code == 200
     assert "Wrong password." in text(response)
     assert anon.get("/admin/").status_code == 302
-    with admin_app.app_context():
-        assert db.session.scalar(select(func.count()).select_from(AdminLoginFailure)) == 1
+    assert count(admin_app, AdminLoginFailure) == 1
 
 
 def test_an_empty_password_is_refused(anon):
@@ -189,8 +192,7 @@ def test_good_login_clears_the_address_failures(anon, admin_app):
     for _ in range(4):
         login(anon, "guess")
     assert login(anon).status_code == 302
-    with admin_app.app_context():
-        assert db.session.scalar(select(func.count()).select_from(AdminLoginFailure)) == 0
+    assert count(admin_app, AdminLoginFailure) == 0
 
 
 def test_throttle_limits_are_configurable(make_app):
@@ -236,3 +238,60 @@ def test_pages_hold_no_inline_script_or_style(admin, admin_app):
         assert "<script" not in html
         assert "style=" not in html
         assert "<style" not in html
+
+
+def test_concurrent_wrong_passwords_get_at_most_the_limit_of_tries(admin_app: Flask) -> None:
+    limit, guesses = admin_app.config["ADMIN_LOGIN_MAX_FAILURES"], 40
+    clients = [admin_app.test_client() for _ in range(guesses)]
+    tokens = [csrf_token(client, "/admin/login") for client in clients]
+    start = threading.Barrier(guesses)
+
+    def guess(n: int) -> int:
+        start.wait()
+        form = {"password": f"wrong-{n}", "csrf_token": tokens[n]}
+        return clients[n].post("/admin/login", data=form).status_code
+
+    with ThreadPoolExecutor(max_workers=guesses) as pool:
+        statuses = list(pool.map(guess, range(guesses)))
+    assert set(statuses) <= {200, 429}, statuses
+    # 200 is the form again with "Wrong password.": a try that reached the check.
+    assert statuses.count(200) <= limit, statuses
+    assert statuses.count(429) >= guesses - limit
+    # The right password from that address is throttled too, for the window.
+    assert login(admin_app.test_client()).status_code == 429
+
+
+def test_logout_revokes_a_copied_session_cookie(admin_app: Flask) -> None:
+    event_id = event(admin_app)
+    dead_id = delivery(admin_app, event_id, state="dead", attempts=8)
+    browser = admin_app.test_client()
+    assert login(browser).status_code == 302
+    cookie = browser.get_cookie("session")
+    assert cookie is not None
+    thief = admin_app.test_client()
+    thief.set_cookie("session", cookie.value)
+    assert thief.get("/admin/").status_code == 200  # the copy works while the session is open
+    token = csrf_token(thief, "/admin/")
+
+    assert browser.post("/admin/logout", data={"csrf_token": csrf_token(browser, "/admin/")})
+    assert browser.get("/admin/").status_code == 302
+
+    # The copy, taken before the logout, opens nothing now: no page, no action.
+    page = thief.get("/admin/")
+    assert page.status_code == 302 and "/admin/login" in page.headers["Location"]
+    requeue = thief.post("/admin/deliveries/requeue", data={"ids": dead_id, "csrf_token": token})
+    assert requeue.status_code == 403
+    with admin_app.app_context():
+        assert db.session.get(Delivery, dead_id).state == "dead"
+
+
+def test_a_new_login_after_logout_works_and_the_old_cookie_stays_dead(admin_app: Flask) -> None:
+    client = admin_app.test_client()
+    assert login(client).status_code == 302
+    old = client.get_cookie("session").value
+    client.post("/admin/logout", data={"csrf_token": csrf_token(client, "/admin/")})
+    assert login(client).status_code == 302
+    assert client.get("/admin/").status_code == 200
+    stale = admin_app.test_client()
+    stale.set_cookie("session", old)
+    assert stale.get("/admin/").status_code == 302

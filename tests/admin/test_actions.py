@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 import re
 from datetime import timedelta
 
@@ -475,3 +477,35 @@ def test_rejections_list(admin_app, admin, query):
     page = text(admin.get(f"/admin/rejections{query}"))
     assert "too old" in page
     assert ("no signature matched" in page) is (query == "")
+
+
+# -- the conflict diff is bounded ------------------------------------------------
+
+
+def _items(n: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    items = [{"id": i, "v": rng.random(), "name": "x" * rng.randint(1, 30)} for i in range(n)]
+    return json.dumps({"id": "evt_big", "items": items}).encode()
+
+
+def test_a_conflict_past_the_diff_bounds_shows_both_bodies_plainly(admin_app, admin) -> None:
+    original = _items(1500, 1)  # about 100 KB, every line different
+    event_id = event(admin_app, body=original)
+    conflict_id = conflict(admin_app, event_id, body=_items(1500, 2))
+    response = admin.get(f"/admin/conflicts/{conflict_id}")
+    assert response.status_code == 200
+    page = response.get_data(as_text=True)
+    assert 'id="body-too-large"' in page and 'id="body-plain"' in page
+    assert 'id="body-diff"' not in page
+    # Both bodies are there in full (pretty-printed), the last item included.
+    assert page.count("&#34;id&#34;: 1499") == 2
+    # Small headers are still compared.
+    assert 'id="header-diff"' in page
+
+
+def test_a_small_conflict_is_still_highlighted(admin_app, admin) -> None:
+    event_id = event(admin_app, body=b'{"id":"evt_1","amount":100}')
+    conflict_id = conflict(admin_app, event_id, body=b'{"id":"evt_1","amount":250}')
+    page = admin.get(f"/admin/conflicts/{conflict_id}").get_data(as_text=True)
+    assert 'id="body-diff"' in page and "too-large" not in page
+    assert "<mark>250</mark>" in page

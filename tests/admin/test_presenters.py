@@ -146,3 +146,26 @@ def test_parse_utc():
 )
 def test_safe_next(target, ok):
     assert safe_next(target) == (target if ok else None)
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (["x" * 1024] * 1024, ["y" * 1024] * 1024),  # 1 MB a side
+        (["a"] * (presenters.MAX_DIFF_LINES + 1), ["b"]),  # many short lines
+        (["k" * 40_000], ["j" * 40_000]),  # one long line
+    ],
+    ids=["one-megabyte", "lines", "bytes"],
+)
+def test_compare_bodies_past_the_bounds_does_not_match_lines(left, right) -> None:
+    diff = presenters.compare_bodies(left, right)
+    assert not diff.bounded and diff.rows == []
+    assert diff.left == "\n".join(left) and diff.right == "\n".join(right)
+
+
+def test_long_lines_within_the_bounds_are_marked_whole() -> None:
+    diff = presenters.compare_bodies(["a " * 400], ["b " * 400])
+    assert diff.bounded
+    (row,) = diff.rows
+    assert row.left == (presenters.Segment("a " * 400, True),)
+    assert row.right == (presenters.Segment("b " * 400, True),)

@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 from sqlalchemy import create_engine, text
 
-from ..webhooks import signing as s
+from ..helpers import signing as s
 
 SOURCE = "stripe-live"
 CONFIG = f"""

@@ -7,11 +7,10 @@ insert in the same transaction. Both must give the same rows.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from datetime import UTC, datetime, timedelta
 
+from ..helpers.signing import hmac_hex
 from .conftest import FAST, SOURCE, config_with, delivery_rows, drain, forward
 
 SECRET = "shop-secret-0123456789"
@@ -19,10 +18,9 @@ SECRET = "shop-secret-0123456789"
 
 def signed(payload: dict, key: str) -> tuple[bytes, dict[str, str]]:
     body = json.dumps(payload).encode()
-    digest = hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
     return body, {
         "Content-Type": "application/json",
-        "X-Signature": f"sha256={digest}",
+        "X-Signature": f"sha256={hmac_hex(body, SECRET)}",
         "Idempotency-Key": key,
     }
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import func, select
 
-from webhook_receiver.extensions import db
-from webhook_receiver.models import Event
-
-from . import signing as s
+from ..helpers import count
+from ..helpers import signing as s
 
 BROKERS = {
     "orders": {"provider": "rabbitmq", "url": "amqp://guest:pw@127.0.0.1:5672/%2F", "queue": "q"},
@@ -32,8 +29,7 @@ def test_posting_to_a_broker_source_says_it_is_one(app, client, name, provider):
         f"{name!r} is a broker source ({provider}): it is consumed from its broker, not posted to"
     )
     assert "not configured" not in problem["detail"]
-    with app.app_context():
-        assert db.session.scalar(select(func.count()).select_from(Event)) == 0
+    assert count(app) == 0
 
 
 def test_an_unknown_name_is_still_not_configured(client):

@@ -18,8 +18,8 @@ from sqlalchemy import select
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
 
-from ..helpers import count
-from . import signing as s
+from ..helpers import count, post_hmac, rows
+from ..helpers import signing as s
 
 BATCH = "application/cloudevents-batch+json"
 
@@ -49,32 +49,26 @@ def batch_of(*events: CloudEvent) -> bytes:
 
 
 def post(client, body: bytes, content_type: str = BATCH):
-    headers = {"Content-Type": content_type, "X-Signature": "sha256=" + s.hmac_hex(body)}
-    return client.post("/webhooks/ce", data=body, headers=headers)
-
-
-def stored(app) -> list[Event]:
-    with app.app_context():
-        return list(db.session.scalars(select(Event).order_by(Event.id)))
+    return post_hmac(client, "ce", body, content_type)
 
 
 def test_a_batch_stores_each_event_as_its_own(app):
     response = post(app.test_client(), batch_of(event(1), event(2), event(3)))
     assert response.status_code == 200, response.get_json()
     assert "Idempotent-Replayed" not in response.headers
-    rows = stored(app)
+    stored = rows(app)
     assert response.get_json() == {
         "status": "accepted",
-        "events": [{"event_id": row.id, "status": "accepted"} for row in rows],
+        "events": [{"event_id": row.id, "status": "accepted"} for row in stored],
     }
-    assert [row.dedup_key for row in rows] == [
+    assert [row.dedup_key for row in stored] == [
         json.dumps(["/orders", f"o-{n}"], separators=(",", ":")) for n in (1, 2, 3)
     ]
-    assert {row.event_type for row in rows} == {"com.example.order.created"}
-    assert {row.content_type for row in rows} == {"application/cloudevents+json"}
+    assert {row.event_type for row in stored} == {"com.example.order.created"}
+    assert {row.content_type for row in stored} == {"application/cloudevents+json"}
     # Each stored body is that event alone, as JSON.
-    assert json.loads(rows[1].body)["data"] == {"order": 2}
-    assert rows[0].meta["ce_mode"] == "batch"
+    assert json.loads(stored[1].body)["data"] == {"order": 2}
+    assert stored[0].meta["ce_mode"] == "batch"
 
 
 def test_a_redelivered_batch_replays(app):
@@ -124,7 +118,7 @@ def test_a_batch_conflicting_with_a_stored_event_stores_nothing_of_it(app):
     assert response.mimetype == "application/problem+json"
     problem = response.get_json()
     assert problem["type"].endswith("/dedup-key-conflict")
-    (original,) = stored(app)
+    (original,) = rows(app)
     assert problem["event_id"] == original.id
     # Nothing of the batch was stored; the conflicting event is kept for review.
     with app.app_context():

@@ -12,8 +12,8 @@ from webhook_receiver.extensions import db
 from webhook_receiver.inbox import duplicates
 from webhook_receiver.models import Event, EventDuplicate, utcnow
 
+from ..helpers import signing as s
 from ..servers import wait_until
-from . import signing as s
 
 EVENT = {"id": "evt_batch", "type": "invoice.paid", "data": {"object": {"id": "in_1"}}}
 

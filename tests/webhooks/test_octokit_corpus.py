@@ -18,8 +18,8 @@ import pytest
 import requests
 from sqlalchemy import create_engine, text
 
+from ..helpers import signing as s
 from ..servers import gunicorn
-from . import signing as s
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "octokit" / "deliveries.jsonl.gz"
 CONFIG = f"""

@@ -22,7 +22,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict, Rejection
 
 from ..helpers import count
-from . import signing as s
+from ..helpers import signing as s
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORM = "application/x-www-form-urlencoded"

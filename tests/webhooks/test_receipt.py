@@ -6,27 +6,19 @@ import json
 import time
 
 import pytest
-from sqlalchemy import select
 
+from webhook_receiver.events import REDACTED
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict, EventDuplicate, Rejection
+from webhook_receiver.webhooks.providers import PROVIDERS, redacted_headers
 
-from ..helpers import count
-from . import signing as s
+from ..helpers import count, post_webhook, rows
+from ..helpers import signing as s
 
 
 @pytest.fixture
 def app(make_app):
     return make_app({"sources": s.SOURCES})
-
-
-def rows(app, model):
-    with app.app_context():
-        return db.session.scalars(select(model).order_by(model.id)).all()
-
-
-def post(client, source, body, headers):
-    return client.post(f"/webhooks/{source}", data=body, headers=headers)
 
 
 STRIPE_EVENT = {"id": "evt_1", "type": "invoice.paid", "data": {"object": {"id": "in_1"}}}
@@ -35,7 +27,7 @@ STRIPE_EVENT = {"id": "evt_1", "type": "invoice.paid", "data": {"object": {"id":
 def test_first_stripe_delivery_is_stored_and_acknowledged(app, client):
     body, headers = s.stripe_delivery(STRIPE_EVENT)
     client.set_cookie("session", "secret-cookie")
-    response = post(
+    response = post_webhook(
         client,
         "stripe-live",
         body,
@@ -67,7 +59,7 @@ def test_first_stripe_delivery_is_stored_and_acknowledged(app, client):
 
 def test_stripe_retry_resigned_later_is_a_duplicate(app, client):
     body, headers = s.stripe_delivery(STRIPE_EVENT, t=int(time.time()) - 120)
-    first = post(client, "stripe-live", body, headers)
+    first = post_webhook(client, "stripe-live", body, headers)
     # Stripe re-signs each attempt with a new timestamp, and may re-serialise.
     retry_body = json.dumps(STRIPE_EVENT, indent=2, sort_keys=True).encode()
     import stripe
@@ -79,7 +71,7 @@ def test_stripe_retry_resigned_later_is_a_duplicate(app, client):
         "Content-Type": "application/json",
     }
     for expected in (1, 2):
-        again = post(client, "stripe-live", retry_body, retry_headers)
+        again = post_webhook(client, "stripe-live", retry_body, retry_headers)
         assert again.status_code == 200
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.get_json() == first.get_json()
@@ -91,11 +83,11 @@ def test_stripe_retry_resigned_later_is_a_duplicate(app, client):
 
 
 def test_same_key_different_content_is_422_and_kept(app, client, caplog):
-    post(client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT))
+    post_webhook(client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT))
     changed = {**STRIPE_EVENT, "data": {"object": {"id": "in_2"}}}
     body, headers = s.stripe_delivery(changed)
     with caplog.at_level("ERROR"):
-        response = post(client, "stripe-live", body, headers)
+        response = post_webhook(client, "stripe-live", body, headers)
     assert response.status_code == 422
     assert response.mimetype == "application/problem+json"
     problem = response.get_json()
@@ -108,14 +100,14 @@ def test_same_key_different_content_is_422_and_kept(app, client, caplog):
         r.levelname == "ERROR" and "different content" in r.getMessage() for r in caplog.records
     )
     # the same conflicting content again: still one conflict record, counted
-    post(client, "stripe-live", *s.stripe_delivery(changed))
+    post_webhook(client, "stripe-live", *s.stripe_delivery(changed))
     (conflict,) = rows(app, EventConflict)
     assert (conflict.event_id, conflict.dedup_key, conflict.body) == (event.id, "evt_1", body)
     assert conflict.seen_count == 2
     assert dict(conflict.headers)["Stripe-Signature"] == "[redacted]"
     # a third content makes a second record
     third = {**STRIPE_EVENT, "type": "invoice.voided"}
-    assert post(client, "stripe-live", *s.stripe_delivery(third)).status_code == 422
+    assert post_webhook(client, "stripe-live", *s.stripe_delivery(third)).status_code == 422
     assert count(app, EventConflict) == 2
 
 
@@ -143,7 +135,7 @@ def test_unauthentic_deliveries_are_401_and_not_stored(app, client, change, slug
         body = body.replace(b"in_1", b"in_9")
     if change == "missing":
         del headers["Stripe-Signature"]
-    response = post(client, "stripe-live", body, headers)
+    response = post_webhook(client, "stripe-live", body, headers)
     assert response.status_code == 401
     assert response.mimetype == "application/problem+json"
     assert response.get_json()["type"] == f"/problems/{slug}"
@@ -162,10 +154,13 @@ def test_secret_rotation_accepts_old_and_new(make_app):
     for i, secret in enumerate(["whsec_new_0123", "whsec_old_0123"]):
         event = {**STRIPE_EVENT, "id": f"evt_{i}"}
         assert (
-            post(client, "stripe-live", *s.stripe_delivery(event, secret=secret)).status_code == 200
+            post_webhook(
+                client, "stripe-live", *s.stripe_delivery(event, secret=secret)
+            ).status_code
+            == 200
         )
     assert (
-        post(
+        post_webhook(
             client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT, secret="whsec_gone")
         ).status_code
         == 401
@@ -174,7 +169,7 @@ def test_secret_rotation_accepts_old_and_new(make_app):
 
 
 def test_unknown_source_is_404(app, client):
-    response = post(client, "nope", *s.stripe_delivery(STRIPE_EVENT))
+    response = post_webhook(client, "nope", *s.stripe_delivery(STRIPE_EVENT))
     assert response.status_code == 404
     assert response.get_json()["type"] == "/problems/unknown-source"
 
@@ -182,7 +177,7 @@ def test_unknown_source_is_404(app, client):
 def test_body_over_limit_is_413(make_app):
     app = make_app({"sources": s.SOURCES}, MAX_BODY_BYTES=500)
     body, headers = s.stripe_delivery({**STRIPE_EVENT, "pad": "x" * 600})
-    response = post(app.test_client(), "stripe-live", body, headers)
+    response = post_webhook(app.test_client(), "stripe-live", body, headers)
     assert response.status_code == 413
     assert response.mimetype == "application/problem+json"
     assert count(app, Event) == 0
@@ -195,7 +190,7 @@ def test_signed_non_json_to_a_json_provider_is_400(app, client):
     header = stripe.WebhookSignature.generate_signature_header(
         body.decode(), s.STRIPE_SECRET, timestamp=int(time.time())
     )
-    response = post(
+    response = post_webhook(
         client, "stripe-live", body, {"Stripe-Signature": header, "Content-Type": "text/plain"}
     )
     assert response.status_code == 400
@@ -204,16 +199,16 @@ def test_signed_non_json_to_a_json_provider_is_400(app, client):
 
 
 def test_missing_event_id_is_400(app, client):
-    response = post(client, "stripe-live", *s.stripe_delivery({"type": "x"}))
+    response = post_webhook(client, "stripe-live", *s.stripe_delivery({"type": "x"}))
     assert response.status_code == 400
     assert response.get_json()["type"] == "/problems/dedup-key-missing"
 
 
 def test_github_delivery_keyed_by_delivery_header(app, client):
     body, headers = s.github_delivery({"action": "opened", "number": 1}, "d-1", "issues")
-    assert post(client, "github", body, headers).status_code == 200
+    assert post_webhook(client, "github", body, headers).status_code == 200
     # a redelivery from GitHub's UI keeps X-GitHub-Delivery
-    again = post(client, "github", body, headers)
+    again = post_webhook(client, "github", body, headers)
     assert again.headers["Idempotent-Replayed"] == "true"
     (event,) = rows(app, Event)
     assert (event.dedup_key, event.event_type, event.duplicate_count) == ("d-1", "issues.opened", 1)
@@ -222,12 +217,12 @@ def test_github_delivery_keyed_by_delivery_header(app, client):
 
 def test_standard_webhooks_signed_by_svix_sdk(app, client):
     body, headers = s.standard_delivery({"type": "user.created", "id": 5}, "msg_abc")
-    assert post(client, "svix", body, headers).status_code == 200
+    assert post_webhook(client, "svix", body, headers).status_code == 200
     # a retry carries the same webhook-id and a new timestamp and signature
     body2, headers2 = s.standard_delivery(
         {"type": "user.created", "id": 5}, "msg_abc", t=int(time.time()) + 5
     )
-    assert post(client, "svix", body2, headers2).headers["Idempotent-Replayed"] == "true"
+    assert post_webhook(client, "svix", body2, headers2).headers["Idempotent-Replayed"] == "true"
     (event,) = rows(app, Event)
     assert (event.dedup_key, event.event_type) == ("msg_abc", "user.created")
     stored = dict(event.headers)
@@ -236,9 +231,15 @@ def test_standard_webhooks_signed_by_svix_sdk(app, client):
 
 def test_shopify_keyed_by_webhook_id_not_event_id(app, client):
     payload = {"id": 820982911946154508}
-    assert post(client, "shop", *s.shopify_delivery(payload, "wh-1", "evt-9")).status_code == 200
+    assert (
+        post_webhook(client, "shop", *s.shopify_delivery(payload, "wh-1", "evt-9")).status_code
+        == 200
+    )
     # a second subscription to the same event: same event id, other webhook id
-    assert post(client, "shop", *s.shopify_delivery(payload, "wh-2", "evt-9")).status_code == 200
+    assert (
+        post_webhook(client, "shop", *s.shopify_delivery(payload, "wh-2", "evt-9")).status_code
+        == 200
+    )
     events = rows(app, Event)
     assert [e.dedup_key for e in events] == ["wh-1", "wh-2"]
     assert [e.meta.get("shopify_event_id") for e in events] == ["evt-9", "evt-9"]
@@ -248,12 +249,12 @@ def test_slack_challenge_answered_and_not_stored(app, client):
     body, headers = s.slack_delivery(
         {"type": "url_verification", "challenge": "abc123", "token": "x"}
     )
-    response = post(client, "slack", body, headers)
+    response = post_webhook(client, "slack", body, headers)
     assert response.status_code == 200
     assert response.get_json() == {"challenge": "abc123"}
     assert count(app, Event) == 0
     event = {"type": "event_callback", "event_id": "Ev1", "event": {"type": "app_mention"}}
-    assert post(client, "slack", *s.slack_delivery(event)).status_code == 200
+    assert post_webhook(client, "slack", *s.slack_delivery(event)).status_code == 200
     (stored,) = rows(app, Event)
     assert (stored.dedup_key, stored.event_type) == ("Ev1", "app_mention")
 
@@ -266,9 +267,9 @@ def test_gitlab_token_and_idempotency_key(app, client):
         "X-Gitlab-Event-UUID": "uuid-1",
         "Content-Type": "application/json",
     }
-    assert post(client, "gitlab", b'{"object_kind": "push"}', headers).status_code == 200
+    assert post_webhook(client, "gitlab", b'{"object_kind": "push"}', headers).status_code == 200
     bad = {**headers, "X-Gitlab-Token": "wrong-token"}
-    assert post(client, "gitlab", b'{"object_kind": "push"}', bad).status_code == 401
+    assert post_webhook(client, "gitlab", b'{"object_kind": "push"}', bad).status_code == 401
     (event,) = rows(app, Event)
     assert event.dedup_key == "gl-1"
     assert dict(event.headers)["X-Gitlab-Token"] == "[redacted]"
@@ -284,7 +285,7 @@ def test_cloudevents_binary_and_structured_share_one_key_space(app, client):
         "Content-Type": "application/json",
         "X-Signature": f"sha256={s.hmac_hex(data)}",
     }
-    assert post(client, "ce", data, binary).status_code == 200
+    assert post_webhook(client, "ce", data, binary).status_code == 200
     structured = json.dumps(
         {
             "specversion": "1.0",
@@ -298,16 +299,82 @@ def test_cloudevents_binary_and_structured_share_one_key_space(app, client):
         "Content-Type": "application/cloudevents+json",
         "X-Signature": s.hmac_hex(structured),
     }
-    assert post(client, "ce", structured, headers).status_code == 200
+    assert post_webhook(client, "ce", structured, headers).status_code == 200
     keys = [e.dedup_key for e in rows(app, Event)]
     assert keys == ['["/sensors/1","A-1"]', '["/sensors/1","A-2"]']
-    assert post(client, "ce", data, {**binary, "X-Signature": "sha256=00"}).status_code == 401
+    assert (
+        post_webhook(client, "ce", data, {**binary, "X-Signature": "sha256=00"}).status_code == 401
+    )
 
 
 def test_generic_json_pointer_key(app, client):
     body = json.dumps({"meta": {"delivery": 77}, "kind": "thing"}).encode()
     headers = {"X-Hub-Signature": f"sha256={s.hmac_hex(body)}", "Content-Type": "application/json"}
-    assert post(client, "generic-json", body, headers).status_code == 200
-    assert post(client, "generic-json", body, headers).headers["Idempotent-Replayed"] == "true"
+    assert post_webhook(client, "generic-json", body, headers).status_code == 200
+    assert (
+        post_webhook(client, "generic-json", body, headers).headers["Idempotent-Replayed"] == "true"
+    )
     (event,) = rows(app, Event)
     assert (event.dedup_key, event.duplicate_count) == ("77", 1)
+
+
+# -- secrets stored redacted, keys sent twice ------------------------------------
+
+
+CREDENTIAL_HEADERS = {
+    "X-Api-Key": "key-123",
+    "X-Auth-Token": "tok-123",
+    "X-Client-Secret": "sec-123",
+    "X-Access-Key": "acc-123",
+    "X-Amz-Security-Token": "amz-123",
+    "Proxy-Authorization": "Basic eA==",
+    "Cookie": "session=abc",
+}
+
+
+def test_every_providers_secret_headers_and_credentials_are_stored_redacted(app) -> None:
+    file_config = app.config["FILE_CONFIG"]
+    covered = {file_config.sources[name].provider for name in s.SOURCES}
+    assert covered == set(PROVIDERS), "a provider without a source here is not checked"
+    client = app.test_client()
+    for n, name in enumerate(s.SOURCES):
+        body, headers = s.delivery_for(name, f"redact-{name}-{n}")
+        response = client.post(
+            f"/webhooks/{name}", data=body, headers={**headers, **CREDENTIAL_HEADERS}
+        )
+        assert response.status_code == 200, (name, response.get_data(as_text=True))
+        with app.app_context():
+            event = db.session.get(Event, response.get_json()["event_id"])
+            stored = {k.lower(): v for k, v in event.headers}
+        secret = redacted_headers(file_config.sources[name]) | {
+            k.lower() for k in CREDENTIAL_HEADERS
+        }
+        for header in secret:
+            if header in stored:
+                assert stored[header] == REDACTED, (name, header)
+        sent = {k.lower(): v for k, v in headers.items()}
+        # Each provider's own signature (or token) header was sent and is hidden.
+        assert any(
+            h in sent and stored[h] == REDACTED for h in redacted_headers(file_config.sources[name])
+        ), name
+        for value in [*CREDENTIAL_HEADERS.values(), *(sent[h] for h in secret if h in sent)]:
+            assert value not in json.dumps(event.headers), (name, value)
+
+
+@pytest.mark.parametrize(
+    ("source", "header"),
+    [("ce", "ce-id"), ("ce", "ce-source"), ("svix", "webhook-id")],
+)
+def test_a_dedup_key_header_sent_twice_is_400_and_stores_nothing(app, source, header):
+    # gunicorn joins a repeated header with a comma. CloudEvents' binary-mode
+    # ce-id and ce-source were read as they came, so "1,1" was a new key and
+    # a repeated header let a redelivery through as a new event; a doubled
+    # webhook-id was refused as a forgery (401) rather than as malformed.
+    client = app.test_client()
+    body, headers = s.delivery_for(source, "key-1")
+    headers = {**headers, header: f"{headers[header]},{headers[header]}"}
+    response = client.post(f"/webhooks/{source}", data=body, headers=headers)
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.get_json()["type"] == "/problems/payload-invalid"
+    assert "more than once" in response.get_json()["detail"]
+    assert count(app, Event) == count(app, Rejection) == 0

@@ -9,8 +9,8 @@ import pytest
 import requests
 from sqlalchemy import create_engine, text
 
+from ..helpers import signing as s
 from ..servers import gunicorn
-from . import signing as s
 
 CONFIG = f"""
 [sources.stripe-live]
