@@ -1,28 +1,26 @@
-"""Data access for the admin pages: reads that stay fast on large tables, and the actions.
+"""Data access for the admin's lists: events, dead deliveries, keys, refusals; requeueing.
 
 Lists are paged by keyset (paging.py): no OFFSET, and no COUNT(*) over a
 whole table. Writes start their transaction with the write (see
-database.py), so SQLite never has to upgrade a read lock.
+database.py), so SQLite never has to upgrade a read lock. The overview's
+numbers are in counts.py, the conflicts' list and review in conflict_reviews.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, cast
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
-    CursorResult,
-    Select,
     and_,
     exists,
     func,
     not_,
     or_,
     select,
-    update,
 )
 
 from ..extensions import db
@@ -36,109 +34,6 @@ from ..models import (
 )
 from ..outbox import deliveries as delivery_states
 from .paging import Cursor, Page, is_row_id, keyset_page
-
-# -- overview ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Counts:
-    """What happened in one window of time."""
-
-    received: int
-    duplicates: int
-    conflicts: int
-    rejections: int
-    delivered: int
-    dead: int
-    discarded: int
-
-
-def _count(stmt: Select[*tuple[Any, ...]]) -> int:
-    return int(db.session.scalar(stmt) or 0)
-
-
-def counts_since(since: datetime) -> Counts:
-    """Count events, duplicates, conflicts, rejections and finished deliveries since ``since``.
-
-    Deliveries count by when they finished: delivered and discarded ones by
-    ``completed_at``, dead ones by when they died (``updated_at``).
-    """
-    d = Delivery
-    return Counts(
-        received=_count(select(func.count()).where(Event.received_at >= since)),
-        duplicates=_count(select(func.count()).where(EventDuplicate.received_at >= since)),
-        conflicts=_count(select(func.count()).where(EventConflict.received_at >= since)),
-        rejections=_count(
-            select(func.sum(Rejection.seen_count)).where(Rejection.received_at >= since)
-        ),
-        delivered=_count(
-            select(func.count()).where(
-                d.state == delivery_states.DELIVERED, d.completed_at >= since
-            )
-        ),
-        dead=_count(
-            select(func.count()).where(d.state == delivery_states.DEAD, d.updated_at >= since)
-        ),
-        discarded=_count(
-            select(func.count()).where(
-                d.state == delivery_states.DISCARDED, d.completed_at >= since
-            )
-        ),
-    )
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """What waits for someone now."""
-
-    pending: int
-    dead: int
-    unreviewed_conflicts: int
-
-
-def backlog() -> Backlog:
-    """Count deliveries waiting or dead, and conflicts nobody has reviewed."""
-    d = Delivery
-    return Backlog(
-        pending=_count(
-            select(func.count()).where(
-                d.state.in_([delivery_states.PENDING, delivery_states.IN_PROGRESS])
-            )
-        ),
-        dead=_count(select(func.count()).where(d.state == delivery_states.DEAD)),
-        unreviewed_conflicts=_count(
-            select(func.count()).where(EventConflict.reviewed_at.is_(None))
-        ),
-    )
-
-
-def _hour_of(column: Any) -> Any:
-    # Both databases store naive UTC; each has its own way to cut to the hour.
-    if db.engine.dialect.name == "sqlite":
-        return func.strftime("%Y-%m-%d %H", column)
-    return func.to_char(func.date_trunc("hour", column), "YYYY-MM-DD HH24")
-
-
-def hourly(column: Any, since: datetime) -> dict[datetime, int]:
-    """Count rows per UTC hour of ``column`` from ``since``, in the database."""
-    bucket = _hour_of(column).label("bucket")
-    rows = db.session.execute(
-        select(bucket, func.count()).where(column >= since).group_by(bucket)
-    ).all()
-    return {
-        datetime.strptime(label, "%Y-%m-%d %H").replace(tzinfo=UTC): int(n) for label, n in rows
-    }
-
-
-def hourly_received(since: datetime) -> dict[datetime, int]:
-    """Events first received per hour."""
-    return hourly(Event.received_at, since)
-
-
-def hourly_duplicates(since: datetime) -> dict[datetime, int]:
-    """Duplicate deliveries per hour."""
-    return hourly(EventDuplicate.received_at, since)
-
 
 # -- events ------------------------------------------------------------------
 
@@ -375,73 +270,6 @@ def list_dead(
     return keyset_page(
         stmt, Delivery.updated_at, Delivery.id, limit=limit, before=before, after=after
     )
-
-
-# -- conflicts ---------------------------------------------------------------
-
-CONFLICT_VIEWS = ("unreviewed", "reviewed", "all")
-
-
-def list_conflicts(
-    *,
-    limit: int,
-    view: str = "unreviewed",
-    before: Cursor | None = None,
-    after: Cursor | None = None,
-) -> Page:
-    """One page of conflicting deliveries, newest first, with the broker their event came from."""
-    stmt = select(
-        EventConflict.id,
-        EventConflict.received_at,
-        EventConflict.event_id,
-        EventConflict.source,
-        EventConflict.dedup_key,
-        EventConflict.seen_count,
-        EventConflict.last_seen_at,
-        EventConflict.reviewed_at,
-        EventConflict.review_note,
-        # NULL but for an event a broker consumer stored (meta.broker).
-        Event.meta["broker"].as_string().label("broker"),
-    ).join(Event, Event.id == EventConflict.event_id)
-    if view == "unreviewed":
-        stmt = stmt.where(EventConflict.reviewed_at.is_(None))
-    elif view == "reviewed":
-        stmt = stmt.where(EventConflict.reviewed_at.is_not(None))
-    return keyset_page(
-        stmt,
-        EventConflict.received_at,
-        EventConflict.id,
-        limit=limit,
-        before=before,
-        after=after,
-    )
-
-
-def conflict_with_event(conflict_id: int) -> tuple[EventConflict, Event] | None:
-    """Load a conflict and the event whose dedup key it reused."""
-    conflict = db.session.get(EventConflict, conflict_id)
-    if conflict is None:
-        return None
-    event = db.session.get(Event, conflict.event_id)
-    if event is None:  # pragma: no cover - the foreign key cascades
-        return None
-    return conflict, event
-
-
-def review_conflict(conflict_id: int, note: str, now: datetime) -> bool:
-    """Mark a conflict reviewed with a note; False when there is no such conflict.
-
-    The caller commits.
-    """
-    result = cast(
-        "CursorResult[Any]",
-        db.session.execute(
-            update(EventConflict)
-            .where(EventConflict.id == conflict_id)
-            .values(reviewed_at=now, review_note=note or None)
-        ),
-    )
-    return result.rowcount == 1
 
 
 # -- idempotency keys --------------------------------------------------------

@@ -25,7 +25,7 @@ from ..idempotency.persistence import records
 from ..models import utcnow
 from ..observability import metrics
 from ..outbox import deliveries
-from . import auth, paging, presenters, queries
+from . import auth, conflict_reviews, counts, paging, presenters, queries
 from .blueprint import bp
 
 log = logging.getLogger(__name__)
@@ -134,16 +134,16 @@ def overview() -> str:
     now = utcnow()
     hours = presenters.hours_ending(now, 24)
     chart = presenters.hourly_chart(
-        hours, queries.hourly_received(hours[0]), queries.hourly_duplicates(hours[0])
+        hours, counts.hourly_received(hours[0]), counts.hourly_duplicates(hours[0])
     )
     windows = [
-        ("Last 24 hours", queries.counts_since(now - timedelta(hours=24))),
-        ("Last 7 days", queries.counts_since(now - timedelta(days=7))),
+        ("Last 24 hours", counts.counts_since(now - timedelta(hours=24))),
+        ("Last 7 days", counts.counts_since(now - timedelta(days=7))),
     ]
     return render_template(
         "admin/overview.html",
         windows=windows,
-        backlog=queries.backlog(),
+        backlog=counts.backlog(),
         chart=chart,
         now=now,
     )
@@ -327,16 +327,16 @@ def dead() -> str:
 def conflicts() -> str:
     """List deliveries that reused a dedup key with different content."""
     view = request.args.get("view", "unreviewed")
-    if view not in queries.CONFLICT_VIEWS:
+    if view not in conflict_reviews.CONFLICT_VIEWS:
         view = "unreviewed"
-    page = queries.list_conflicts(limit=_page_size(), view=view, **_cursors())
+    page = conflict_reviews.list_conflicts(limit=_page_size(), view=view, **_cursors())
     brokers = _broker_providers()
     return render_template(
         "admin/conflicts.html",
         page=page,
         pager=_pager(page),
         view=view,
-        views=queries.CONFLICT_VIEWS,
+        views=conflict_reviews.CONFLICT_VIEWS,
         intakes={row.id: presenters.intake(row.source, brokers, row.broker) for row in page.rows},
     )
 
@@ -344,7 +344,7 @@ def conflicts() -> str:
 @bp.get("/conflicts/<int:conflict_id>")
 def conflict(conflict_id: int) -> str:
     """Show the original and the conflicting payload side by side."""
-    found = queries.conflict_with_event(conflict_id)
+    found = conflict_reviews.conflict_with_event(conflict_id)
     if found is None:
         abort(404, "No such conflict.")
     item, original = found
@@ -378,7 +378,7 @@ def review(conflict_id: int) -> ResponseReturnValue:
     if len(note) > REVIEW_NOTE_MAX:
         abort(400, f"The note is longer than {REVIEW_NOTE_MAX} characters.")
     with unit_of_work():
-        found = queries.review_conflict(conflict_id, note, utcnow())
+        found = conflict_reviews.review_conflict(conflict_id, note, utcnow())
     if not found:
         abort(404, "No such conflict.")
     flash("Marked as reviewed.", "success")
