@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from .. import pointers
 from .settings import ConfigError, redact_url
@@ -26,9 +27,37 @@ _SCHEME_KEYS: dict[str, frozenset[str]] = {
     "amqps": frozenset({"exchange", "routing_key"}),
     "nats": frozenset({"subject"}),
     "tls": frozenset({"subject"}),
+    "kafka": frozenset(
+        {
+            "topic",
+            "key",
+            "security_protocol",
+            "sasl_mechanism",
+            "sasl_username",
+            "sasl_password",
+            "ssl_ca_location",
+        }
+    ),
 }
 # A NATS subject without wildcards (a forward's, a dead-letter subject).
 NATS_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
+# A Kafka forward's record key: the event's dedup key or its type.
+KAFKA_RECORD_KEYS = ("{dedup_key}", "{event_type}")
+# Kafka's legal topic names (its Topic.validate): "." and ".." are not.
+_KAFKA_TOPIC = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,249}$")
+# One host:port of a kafka:// URL (a bracketed IPv6 address too).
+_KAFKA_SERVER = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+# A Kafka forward's security keys, and librdkafka's name for each.
+KAFKA_SECURITY_KEYS = {
+    "security_protocol": "security.protocol",
+    "sasl_mechanism": "sasl.mechanisms",
+    "sasl_username": "sasl.username",
+    "sasl_password": "sasl.password",
+    "ssl_ca_location": "ssl.ca.location",
+}
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# The mechanisms a username and password sign in with.
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 @dataclass(frozen=True)
@@ -49,12 +78,20 @@ class ForwardConfig:
     exchange: str = ""
     routing_key: str | None = None
     subject: str | None = None
+    # kafka:// forwards produce to a topic; the record's key is the event's
+    # dedup key or type (KAFKA_RECORD_KEYS). ``bootstrap_servers`` is the
+    # URL's host:port list; ``client_settings`` are librdkafka's security
+    # settings, the SASL password among them: never shown.
+    topic: str | None = None
+    key: str | None = None
+    bootstrap_servers: str | None = None
+    client_settings: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     # Standard Webhooks secrets an HTTP forward signs with (one signature each).
     signing_secrets: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def scheme(self) -> str:
-        """The URL's scheme: http, https, amqp, amqps or nats."""
+        """The URL's scheme: http, https, amqp, amqps, nats, tls or kafka."""
         return self.url.partition("://")[0].lower()
 
     def __repr__(self) -> str:
@@ -91,7 +128,8 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             or not re.match(r"^[a-z]+://[^/\s]+", url, re.IGNORECASE)
         ):
             raise ConfigError(
-                f"{here} url must be an http://, https://, amqp://, amqps:// or nats:// URL"
+                f"{here} url must be an http://, https://, amqp://, amqps://, nats:// "
+                "or kafka:// URL"
             )
         unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
         if unknown:
@@ -147,6 +185,8 @@ def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[st
         if not isinstance(subject, str) or not NATS_SUBJECT.match(subject):
             raise ConfigError(f"{here} subject must be a NATS subject without wildcards")
         return {"subject": subject}
+    if scheme == "kafka":
+        return _kafka_transport(table, here)
     if "signing_secret" in table and "signing_secrets" in table:
         raise ConfigError(f"{here} give signing_secret or signing_secrets, not both")
     secrets = table.get("signing_secrets", [])
@@ -159,6 +199,98 @@ def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[st
     if "signing_secrets" in table and not secrets:
         raise ConfigError(f"{here} signing_secrets must not be empty")
     return {"signing_secrets": tuple(secrets)}
+
+
+def _kafka_transport(table: dict[str, Any], here: str) -> dict[str, Any]:
+    """A Kafka forward's brokers, topic, record key and security settings."""
+    servers, username, password = _kafka_url(table["url"], here)
+    topic = table.get("topic")
+    if not isinstance(topic, str) or not _KAFKA_TOPIC.match(topic):
+        raise ConfigError(
+            f"{here} topic must be a Kafka topic name (1-249 letters, digits, '.', '_' or '-')"
+        )
+    key = table.get("key", "{dedup_key}")
+    if key not in KAFKA_RECORD_KEYS:
+        raise ConfigError(f"{here} key must be '{{dedup_key}}' or '{{event_type}}'")
+    if password is not None and ("sasl_username" in table or "sasl_password" in table):
+        raise ConfigError(
+            f"{here} give the SASL credentials in the url or as sasl_username and "
+            "sasl_password, not both"
+        )
+    values = dict(table)
+    if password is not None:
+        values.update(sasl_username=username, sasl_password=password)
+    return {
+        "topic": topic,
+        "key": key,
+        "bootstrap_servers": servers,
+        "client_settings": kafka_security(values, here),
+    }
+
+
+def _kafka_url(url: str, here: str) -> tuple[str, str | None, str | None]:
+    """``kafka://[user:password@]host:port[,host:port...]``: its servers and credentials."""
+    rest = url.partition("://")[2]
+    userinfo, at, hosts = rest.rpartition("@")
+    servers = hosts.split(",")
+    # A "/" (or "?", "#") ends a URL's host part: one in the password must be
+    # percent-encoded, else the URL's redaction would not find the password.
+    if any(c in rest for c in "/?#") or not all(_KAFKA_SERVER.match(s) for s in servers):
+        raise ConfigError(
+            f"{here} url must be kafka://host:port, with more brokers after commas "
+            "(kafka://host1:9092,host2:9092)"
+        )
+    if not at:
+        return hosts, None, None
+    username, colon, password = userinfo.partition(":")
+    if not username or not colon or not password:
+        raise ConfigError(f"{here} the url's user part must be <username>:<password>")
+    return hosts, unquote(username), unquote(password)
+
+
+def kafka_security(table: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """librdkafka's security settings of a Kafka table, checked; the password is never shown.
+
+    ``security_protocol`` (default PLAINTEXT), ``sasl_mechanism`` with
+    ``sasl_username`` and ``sasl_password`` (needs a SASL_ protocol), and
+    ``ssl_ca_location`` (needs SSL or SASL_SSL).
+    """
+    for name in KAFKA_SECURITY_KEYS:
+        value = table.get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"{where} {name} must be a non-empty string")
+    protocol = str(table.get("security_protocol", "PLAINTEXT")).upper()
+    if protocol not in _SECURITY_PROTOCOLS:
+        raise ConfigError(
+            f"{where} security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}"
+        )
+    sasl = [name for name in ("sasl_mechanism", "sasl_username", "sasl_password") if name in table]
+    if protocol.startswith("SASL_"):
+        if len(sasl) < 3:
+            raise ConfigError(
+                f"{where} security_protocol {protocol} needs sasl_mechanism, sasl_username "
+                "and sasl_password"
+            )
+        if str(table["sasl_mechanism"]).upper() not in _SASL_MECHANISMS:
+            raise ConfigError(
+                f"{where} sasl_mechanism must be one of {', '.join(_SASL_MECHANISMS)}"
+            )
+    elif sasl:
+        # librdkafka would send no credentials at all, and the broker refuse every request.
+        raise ConfigError(
+            f"{where} {', '.join(sasl)} need(s) security_protocol SASL_SSL or SASL_PLAINTEXT"
+        )
+    if "ssl_ca_location" in table and not protocol.endswith("SSL"):
+        raise ConfigError(f"{where} ssl_ca_location needs security_protocol SSL or SASL_SSL")
+    settings = {"security_protocol": protocol}
+    if protocol.startswith("SASL_"):
+        settings["sasl_mechanism"] = str(table["sasl_mechanism"]).upper()
+    settings.update(
+        (name, table[name])
+        for name in ("sasl_username", "sasl_password", "ssl_ca_location")
+        if name in table
+    )
+    return tuple((KAFKA_SECURITY_KEYS[name], value) for name, value in settings.items())
 
 
 def parse_ordering(table: dict[str, Any], where: str) -> OrderingConfig | None:
