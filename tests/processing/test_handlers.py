@@ -10,7 +10,7 @@ from webhook_receiver.config import ConfigError
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.outbox import deliveries
-from webhook_receiver.processing import handler, registry
+from webhook_receiver.processing import handler
 from webhook_receiver.processing.worker import Worker
 
 from . import handlers
@@ -115,20 +115,6 @@ def test_handler_whose_lease_was_taken_over_commits_nothing(make_app, clock, led
 def test_handler_and_forward_of_one_name_on_one_source_are_refused(make_app):
     with pytest.raises(ConfigError, match="two consumers named 'audit'"):
         make_app(config_with([forward("audit", "http://127.0.0.1:9/a")], handlers=True))
-
-
-def test_handlers_can_be_added_in_code(make_app, clock, make_worker):
-    seen = []
-
-    @handler(source="shop", name="inline")
-    def inline(event, session):
-        seen.append(event.dedup_key)
-
-    app = make_app(config_with(), **FAST)
-    registry.get(app).add_handler(inline)
-    store_event(app, clock, dedup_key="evt-1")
-    assert drain(app, make_worker(app, clock)) == ["delivered"]
-    assert seen == ["evt-1"]
 
 
 def test_handler_names_are_checked():

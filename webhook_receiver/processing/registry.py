@@ -72,11 +72,6 @@ class Registry:
             )
         names[consumer.name] = consumer
 
-    def add_handler(self, func: handlers_mod.HandlerFunc) -> None:
-        """Register a decorated handler function programmatically."""
-        for spec in handlers_mod.specs_of(func):
-            self.add(Consumer(spec.source, spec.name, HANDLER, handler=spec))
-
     def for_event(self, source: str, event_type: str | None) -> list[Consumer]:
         """The consumers that get a delivery for a new event of this source and type."""
         return [c for c in self.consumers.get(source, {}).values() if c.matches(event_type)]
