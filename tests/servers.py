@@ -29,6 +29,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_pids(master_pid: int) -> set[int]:
+    """The gunicorn master's live child processes, read from /proc."""
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended while we looked
+        # The command name is in parentheses and may hold spaces: split after it.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid == master_pid and state != "Z":
+            children.add(int(entry.name))
+    return children
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from webhook_receiver.idempotency.persistence import records
 from webhook_receiver.models import Event
 
 from .conftest import CLIENTS, SECRET_KEY, bearer
-from .helpers import count
+from .helpers import count, post_webhook
 from .helpers import signing as s
 
 # Another process that holds the turn until told to let go.
@@ -91,8 +91,8 @@ def probe(path: str) -> str:
 
 
 def deliver(client, event_id: str):
-    body, headers = s.stripe_delivery({"id": event_id, "type": "invoice.paid", "data": {}})
-    return client.post("/webhooks/stripe-live", data=body, headers=headers)
+    event = {"id": event_id, "type": "invoice.paid", "data": {}}
+    return post_webhook(client, "stripe-live", *s.stripe_delivery(event))
 
 
 def test_a_write_waits_for_the_turn_and_gives_up_as_a_locked_database(sqlite_app, monkeypatch):

@@ -18,7 +18,8 @@ import requests
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, utcnow
 
-from ..conftest import ACME_TOKEN, CI
+from ..conftest import ACME_TOKEN
+from ..helpers import unavailable
 from ..servers import ROOT, gunicorn, wait_until
 from .conftest import PASSWORD, conflict, delivery, duplicate, event
 
@@ -40,20 +41,14 @@ token = "{ACME_TOKEN}"
 """
 
 
-def _unavailable(reason: str) -> None:
-    if CI:
-        pytest.fail(f"the browser test must run in CI: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def sync_playwright():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _unavailable("playwright is not installed")
+        unavailable("playwright is not installed")
     if not os.access(CHROMIUM, os.X_OK):
-        _unavailable(f"{CHROMIUM} is missing (apt-get install chromium)")
+        unavailable(f"{CHROMIUM} is missing (apt-get install chromium)")
     return sync_playwright
 
 

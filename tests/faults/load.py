@@ -7,7 +7,6 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import requests
 from sqlalchemy import create_engine, text
@@ -128,24 +127,6 @@ def stored(db_url: str) -> dict[str, Stored]:
         # Two rows of one key would collapse here; ``rows`` still counts them.
         result[key] = Stored(n, event_id, dups)
     return result
-
-
-def worker_pids(master_pid: int) -> set[int]:
-    """The gunicorn master's live child processes, read from /proc."""
-    children = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # it ended while we looked
-        # The command name is in parentheses and may hold spaces: split after it.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == master_pid and state != "Z":
-            children.add(int(entry.name))
-    return children
 
 
 def process_alive(pid: int) -> bool:

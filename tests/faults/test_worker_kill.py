@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from ..servers import gunicorn, wait_until
-from .load import CONFIG, Attempt, Journal, deliver, stored, worker_pids
+from ..servers import gunicorn, wait_until, worker_pids
+from .load import CONFIG, Attempt, Journal, deliver, stored
 
 WORKERS = 3
 CLIENTS = 6

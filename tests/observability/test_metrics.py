@@ -21,7 +21,7 @@ from webhook_receiver.observability import metrics
 
 from ..conftest import CLIENTS, bearer
 from ..helpers import signing as s
-from ..servers import gunicorn, wait_until
+from ..servers import gunicorn, wait_until, worker_pids
 
 CONFIG = {"sources": {"stripe-live": s.SOURCES["stripe-live"]}, "clients": CLIENTS}
 
@@ -178,11 +178,6 @@ provider = "stripe"
 secrets = ["{s.STRIPE_SECRET}"]
 """
 UNIQUE, DUPLICATES, FORGED = 24, 6, 4
-
-
-def worker_pids(master: int) -> set[int]:
-    with open(f"/proc/{master}/task/{master}/children") as fh:
-        return {int(pid) for pid in fh.read().split()}
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.inbox import duplicates
 from webhook_receiver.models import Event, EventDuplicate, utcnow
 
+from ..helpers import post_webhook
 from ..helpers import signing as s
 from ..servers import wait_until
 
@@ -36,8 +37,7 @@ def stored(app) -> tuple[int, int, object]:
 
 
 def deliver(client, event=EVENT):
-    body, headers = s.stripe_delivery(event)
-    return client.post("/webhooks/stripe-live", data=body, headers=headers)
+    return post_webhook(client, "stripe-live", *s.stripe_delivery(event))
 
 
 def test_redelivery_is_answered_before_its_count_is_written(app, client):

@@ -16,12 +16,10 @@ from urllib.parse import urlencode
 import pytest
 from cloudevents.core.bindings import http as ce_http
 from cloudevents.core.v1.event import CloudEvent
-from sqlalchemy import select
 
-from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict, Rejection
 
-from ..helpers import count
+from ..helpers import count, rows
 from ..helpers import signing as s
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -32,11 +30,6 @@ ISSUE = {"action": "opened", "issue": {"number": 1, "title": "Forms too"}}
 @pytest.fixture
 def app(make_app):
     return make_app({"sources": s.SOURCES})
-
-
-def rows(app, model):
-    with app.app_context():
-        return db.session.scalars(select(model).order_by(model.id)).all()
 
 
 def github_form(payload: dict, delivery: str, event: str = "issues") -> tuple[bytes, dict]:
