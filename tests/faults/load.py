@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -127,11 +126,3 @@ def stored(db_url: str) -> dict[str, Stored]:
         # Two rows of one key would collapse here; ``rows`` still counts them.
         result[key] = Stored(n, event_id, dups)
     return result
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
