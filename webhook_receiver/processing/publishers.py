@@ -529,13 +529,21 @@ def _kafka_key(forward: ForwardConfig, message: BrokerMessage) -> bytes | None:
     return stable.removeprefix(prefix).encode("utf-8")
 
 
+def _kafka_error(exc: confluent_kafka.KafkaException) -> confluent_kafka.KafkaError:
+    """The KafkaError a KafkaException carries (librdkafka's code and text)."""
+    found = exc.args[0] if exc.args else None
+    if isinstance(found, confluent_kafka.KafkaError):
+        return found
+    return confluent_kafka.KafkaError(confluent_kafka.KafkaError._FAIL, str(exc))
+
+
 def _publish_kafka(forward: ForwardConfig, message: BrokerMessage) -> None:
     deadline = time.monotonic() + forward.timeout_seconds
     try:
         held = _kafka_producer(forward)
     except confluent_kafka.KafkaException as exc:
         # A setting librdkafka refuses (a CA file it cannot read, a mechanism it lacks).
-        raise PublishError(f"kafka forward {forward.name}: {exc.args[0].str()}") from exc
+        raise PublishError(f"kafka forward {forward.name}: {_kafka_error(exc).str()}") from exc
     reports: list[confluent_kafka.KafkaError | None] = []
     reported = threading.Event()
 
@@ -552,7 +560,7 @@ def _publish_kafka(forward: ForwardConfig, message: BrokerMessage) -> None:
             on_delivery=on_delivery,
         )
     except confluent_kafka.KafkaException as exc:
-        error = exc.args[0]
+        error = _kafka_error(exc)
         if error.code() in _TOO_LARGE:
             raise PublishRefused(
                 f"the record ({len(message.body)} bytes of body) is larger than the "
@@ -569,14 +577,14 @@ def _publish_kafka(forward: ForwardConfig, message: BrokerMessage) -> None:
             f"no delivery report from {forward.bootstrap_servers} within "
             f"{forward.timeout_seconds:g} s{detail}"
         )
-    error = reports[0]
-    if error is None:
+    failed = reports[0]
+    if failed is None:
         held.last_error = None  # the broker answers again: an old error explains nothing
         return
-    if error.code() in _TOO_LARGE:
-        raise PublishRefused(f"topic {forward.topic!r} refused the record: {error.str()}")
+    if failed.code() in _TOO_LARGE:
+        raise PublishRefused(f"topic {forward.topic!r} refused the record: {failed.str()}")
     _replace_kafka_producer(held)
     detail = ""
-    if error.code() == confluent_kafka.KafkaError._MSG_TIMED_OUT and held.last_error:
+    if failed.code() == confluent_kafka.KafkaError._MSG_TIMED_OUT and held.last_error:
         detail = f" (last error: {held.last_error})"
-    raise PublishError(f"topic {forward.topic!r} not written: {error.str()}{detail}")
+    raise PublishError(f"topic {forward.topic!r} not written: {failed.str()}{detail}")
