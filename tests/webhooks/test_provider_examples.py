@@ -2,7 +2,7 @@
 
 The TOML blocks are read from the document itself, so what it shows is what
 runs; each delivery is signed as the provider signs (Paddle's is checked by
-Paddle's SDK in tests/providers/test_paddle.py, Linear's was accepted by
+Paddle's SDK in tests/webhooks/providers/test_paddle.py, Linear's was accepted by
 @linear/sdk when tests/fixtures/linear_delivery.json was generated).
 """
 
