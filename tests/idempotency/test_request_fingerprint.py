@@ -6,7 +6,7 @@ from webhook_receiver.models import IdempotencyRecord
 
 from ..conftest import bearer
 from ..helpers import count
-from ..test_idempotency import make_test_blueprint
+from .test_idempotent import make_test_blueprint
 
 
 def test_same_key_and_body_on_two_idempotent_paths_is_a_mismatch(make_app) -> None:

@@ -35,9 +35,9 @@ from webhook_receiver.idempotency.persistence import records
 from webhook_receiver.idempotency.persistence.records import COMPLETED
 from webhook_receiver.models import Event, IdempotencyRecord
 
-from .conftest import CLIENTS, SECRET_KEY
-from .helpers import post_event
-from .servers import ROOT, wait_until
+from ..conftest import CLIENTS, SECRET_KEY
+from ..helpers import post_event
+from ..servers import ROOT, wait_until
 
 BODY = {"type": "order.created", "data": {"order": 42}}
 OTHER_BODY = {"type": "order.created", "data": {"order": 43}}
@@ -146,7 +146,7 @@ def test_a_process_dying_mid_transaction_leaves_the_key_free(app, db_url):
         [
             sys.executable,
             "-c",
-            "import sys; from tests.test_idempotency_one_commit import "
+            "import sys; from tests.idempotency.test_one_commit import "
             "crash_after_the_event_insert as crash; crash(sys.argv[1], 'crash-key')",
             db_url,
         ],
@@ -247,7 +247,7 @@ def test_a_process_killed_inside_its_one_statement_leaves_all_or_nothing(app, db
             [
                 sys.executable,
                 "-c",
-                "import sys; from tests.test_idempotency_one_commit import "
+                "import sys; from tests.idempotency.test_one_commit import "
                 "post_and_wait; post_and_wait(sys.argv[1], 'killed-key')",
                 db_url,
             ],

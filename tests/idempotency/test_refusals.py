@@ -34,9 +34,8 @@ from webhook_receiver.idempotency.persistence import records
 from webhook_receiver.models import Event, IdempotencyRecord
 from webhook_receiver.problems import Problem
 
-from .conftest import bearer
-from .helpers import count, post_event
-from .rows import event_row
+from ..conftest import bearer
+from ..helpers import count, event_row, post_event
 
 LIMIT = 4096
 GOOD = {"type": "order.created", "data": {"order": 42}}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, IdempotencyRecord
 
-from .conftest import GLOBEX_TOKEN, bearer
-from .helpers import count, post_event
+from ..conftest import GLOBEX_TOKEN, bearer
+from ..helpers import count, post_event
 
 
 def test_create_event_stores_and_answers_201(app, client):

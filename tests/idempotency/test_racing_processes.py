@@ -18,9 +18,9 @@ from sqlalchemy import create_engine
 
 from webhook_receiver.models import IdempotencyRecord
 
-from .conftest import ACME_TOKEN
-from .helpers import count_at
-from .servers import gunicorn
+from ..conftest import ACME_TOKEN
+from ..helpers import count_at
+from ..servers import gunicorn
 
 pytestmark = pytest.mark.slow
 

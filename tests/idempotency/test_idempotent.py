@@ -26,9 +26,8 @@ from webhook_receiver.idempotency.persistence.records import COMPLETED, IN_PROGR
 from webhook_receiver.models import Event, IdempotencyRecord, utcnow
 from webhook_receiver.problems import Problem
 
-from .conftest import bearer
-from .helpers import count, post_event
-from .rows import event_row
+from ..conftest import bearer
+from ..helpers import count, event_row, post_event
 
 calls: list[str] = []
 
@@ -277,7 +276,7 @@ def test_purge_deletes_expired_records_in_batches(app, client, runner):
 
 
 def test_same_key_two_clients_two_records(app, client):
-    from .conftest import GLOBEX_TOKEN
+    from ..conftest import GLOBEX_TOKEN
 
     a = post(client, "/t/who")
     b = client.post(
