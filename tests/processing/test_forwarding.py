@@ -704,5 +704,5 @@ def test_nats_forward_retried_through_an_outage_keeps_one_connection(tmp_path):
                 server.port
             )
         finally:
-            loop = publishers._loop()
+            loop = publishers.jetstream._loop()
             loop.run(loop.connections.pop(server.url).close(), 5)

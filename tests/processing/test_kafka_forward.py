@@ -141,7 +141,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture(autouse=True)
 def _close_producers() -> Iterator[None]:
     yield
-    publishers.close_kafka_producers(timeout=1)
+    publishers.kafka.close_producers(timeout=1)
 
 
 def _headers(record: Message) -> dict[str, str]:
