@@ -1,0 +1,177 @@
+"""The Pub/Sub consumer beyond the contract suite: redelivery, exactly-once, what is stored.
+
+Against the Pub/Sub emulator (tests/pubsub_emulator.py), on both databases.
+The contract suite (test_contract.py) holds it to every broker's promises.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from webhook_receiver import config as cfg
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Event
+from webhook_receiver.webhooks.providers import PROVIDERS
+
+from .cloud_fixtures import Subscription, pubsub_source
+from .conftest import consuming, count_events, duplicate_total, stored_keys, wait_until
+
+SOURCE = "jobs"
+
+
+def _message(n: int, **attributes: str) -> tuple[bytes, dict[str, str]]:
+    return json.dumps({"n": n}).encode(), {"message-id": f"m-{n}", "type": "order", **attributes}
+
+
+def test_messages_a_dead_consumer_pulled_come_back_after_the_ack_deadline(
+    make_app, pubsub_subscription: Subscription
+):
+    # Another consumer pulls five and dies without acknowledging them: the
+    # subscription redelivers them once its 10 s ack deadline has passed,
+    # and each is stored once.
+    subscription = pubsub_subscription
+    subscription.publish([_message(n) for n in range(5)])
+    taken = subscription.take(5)
+    assert len(taken) == 5
+    taken_at = time.monotonic()
+    subscription.publish([_message(n) for n in range(5, 10)])
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 5, 30)
+        time.sleep(max(0.0, taken_at + 7 - time.monotonic()))
+        assert count_events(app) == 5  # still the dead consumer's, within its deadline
+        assert wait_until(lambda: count_events(app) == 10, 30)
+        assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+    assert time.monotonic() - taken_at >= 10
+    assert sorted(stored_keys(app)) == sorted(f"m-{n}" for n in range(10))
+    assert duplicate_total(app) == 0
+
+
+def test_on_an_exactly_once_subscription_every_acknowledgement_is_checked(make_app, pubsub_host):
+    subscription = Subscription(f"wr-test-eod-{time.monotonic_ns() % 10**9}")
+    subscription.create(enable_exactly_once_delivery=True)
+    try:
+        subscription.publish([_message(n) for n in range(20)] + [_message(3)])
+        app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+        with consuming(app, SOURCE):
+            assert wait_until(lambda: count_events(app) == 20, 30)
+            assert wait_until(lambda: duplicate_total(app) == 1, 30)
+            assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+    finally:
+        subscription.delete()
+
+
+def test_without_a_dead_letter_topic_a_poison_message_is_nacked_to_the_subscription_s_policy(
+    make_app, pubsub_host
+):
+    subscription = Subscription(f"wr-test-dlp-{time.monotonic_ns() % 10**9}")
+    policy_topic = f"{subscription.topic}-policy"
+    from google.cloud import pubsub_v1
+
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    publisher.create_topic(name=policy_topic)
+    subscriber.create_subscription(name=f"{subscription.path}-policy", topic=policy_topic)
+    subscription.create(
+        dead_letter_policy={"dead_letter_topic": policy_topic, "max_delivery_attempts": 5}
+    )
+    try:
+        source = pubsub_source(subscription)
+        del source["dead_letter_topic"]
+        app = make_app({"sources": {SOURCE: source}})
+        subscription.publish([_message(1), (b'{"n": 0}', {"type": "order"}), _message(2)])
+        with consuming(app, SOURCE):
+            assert wait_until(lambda: count_events(app) == 2, 30)
+            assert wait_until(lambda: subscription.unacknowledged() == 0, 30)
+        moved = Subscription._pull_all(subscriber, f"{subscription.path}-policy", acknowledge=True)
+        assert [r.message.data for r in moved] == [b'{"n": 0}']
+        assert "dead-letter-reason" not in moved[0].message.attributes
+    finally:
+        subscriber.delete_subscription(subscription=f"{subscription.path}-policy")
+        publisher.delete_topic(topic=policy_topic)
+        subscriber.close()
+        subscription.delete()
+
+
+def test_what_is_stored_of_a_message_its_attributes_and_where_it_came_from(
+    make_app, pubsub_subscription: Subscription
+):
+    subscription = pubsub_subscription
+    subscription.publish([_message(1, **{"content-type": "application/json", "tenant": "acme"})])
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+    assert (event.dedup_key, event.event_type, event.content_type) == (
+        "m-1",
+        "order",
+        "application/json",
+    )
+    assert dict(event.headers)["tenant"] == "acme"
+    assert event.meta["broker"] == "pubsub"
+    assert event.meta["subscription"] == subscription.path
+    assert event.meta["message_id"] == event.meta["properties"]["message_id"]
+    assert event.meta["publish_time"]
+
+
+def test_the_default_key_is_the_message_id_pub_sub_gave_the_message(
+    make_app, pubsub_subscription: Subscription
+):
+    subscription = pubsub_subscription
+    subscription.publish([(b"plain text", {}), (b"plain text", {})])
+    source = pubsub_source(subscription)
+    del source["dedup_key"], source["event_type"]
+    app = make_app({"sources": {SOURCE: source}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 2, 30)
+    with app.app_context():
+        events = db.session.execute(select(Event)).scalars().all()
+    # Two publishes are two messages, whatever their bytes; each id is Pub/Sub's.
+    assert {e.dedup_key for e in events} == {e.meta["message_id"] for e in events}
+    assert {e.event_type for e in events} == {None}
+
+
+def _parse(**table: Any) -> Any:
+    return cfg.parse({"sources": {"jobs": table}}, "receiver.toml", providers=PROVIDERS)
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ({"subscription": "jobs"}, "project must be a Google Cloud project id"),
+        ({"project": "my-project"}, "subscription must name"),
+        ({"project": "my-project", "subscription": "projects/p/topics/jobs"}, "subscription"),
+        ({"project": "my-project", "subscription": "jobs", "dead_letter_topic": "x/y"}, "topic"),
+        ({"project": "my-project", "subscription": "jobs", "dedup_key": "offset"}, "'message_id'"),
+        (
+            {"project": "my-project", "subscription": "jobs", "dedup_key": "deduplication_id"},
+            "'attribute:<name>'",
+        ),
+    ],
+)
+def test_a_wrong_pubsub_source_is_refused_with_a_line_naming_it(table, problem):
+    with pytest.raises(cfg.ConfigError, match=r"\[sources\.jobs\]") as refused:
+        _parse(provider="pubsub", **table)
+    assert problem in str(refused.value)
+
+
+def test_the_issue_s_pubsub_source_names_its_subscription_and_dead_letter_topic_in_full():
+    source = _parse(
+        provider="pubsub",
+        project="my-project",
+        subscription="jobs-receiver",
+        event_type="attribute:type",
+        dead_letter_topic="",
+    ).brokers["jobs"]
+    assert source.subscription == "projects/my-project/subscriptions/jobs-receiver"
+    assert source.dead_letter_topic is None
+    assert (source.dedup_key, source.batch) == ("message_id", 200)
+    dead = _parse(
+        provider="pubsub", project="my-project", subscription="jobs", dead_letter_topic="jobs.dead"
+    ).brokers["jobs"]
+    assert dead.dead_letter_topic == "projects/my-project/topics/jobs.dead"

@@ -1,0 +1,354 @@
+"""The Amazon SQS consumer: boto3's receive_message, then delete_message_batch after the commit.
+
+A batch is up to ``batch`` messages, received 10 at a time (SQS's most per
+receive): a long poll for the first, then as many more as the queue hands
+over at once. The inbox stores it in one transaction, in a second thread,
+while this one receives the next batch; only then is each message settled:
+deleted (``DeleteMessageBatch``) when new or a duplicate; a conflict or a
+message that cannot be stored is sent to ``dead_letter_queue_url`` (body
+and attributes unchanged, plus a ``dead-letter-reason`` attribute) and
+deleted, or, without one, left to the queue's redrive policy
+(``maxReceiveCount``) and logged. Every message in hand has its visibility
+extended past half the queue's timeout (:mod:`.leases`), so a slow store
+never lets it reappear. The database away: the batch's visibility is set
+to the back-off, nothing is deleted, and the consumer waits. Credentials
+come from the standard AWS chain; a connection error reconnects with
+back-off, and what was not deleted comes back and is recognised as
+duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from ..config import BrokerSourceConfig
+from . import batch
+from .identify import BrokerMessage
+from .leases import Leases
+from .outage import SourceNotReady
+
+log = logging.getLogger(__name__)
+
+# How long the first receive of a batch waits for a message (a long poll);
+# the stop flag is looked at between polls.
+RECEIVE_WAIT_SECONDS = 1
+# SQS's most per receive, per delete, per send and per visibility change.
+PER_CALL = 10
+# The attribute a dead letter carries its reason in (and SQS's most per message).
+DEAD_LETTER_REASON = "dead-letter-reason"
+MAX_ATTRIBUTES = 10
+# How long a message whose dead-letter copy could not be sent stays hidden
+# before it comes back (to be dead-lettered again).
+DEAD_LETTER_RETRY_SECONDS = 5
+# Set by SQS on each receive: kept out of the stored meta.
+_PER_RECEIVE = frozenset({"ApproximateReceiveCount", "ApproximateFirstReceiveTimestamp"})
+_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError)
+_NO_QUEUE = frozenset(
+    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
+)
+# One message as boto3 hands it over (a dict: MessageId, ReceiptHandle, Body, ...).
+Raw = dict[str, Any]
+
+
+class SqsConsumer(batch.Consumer):
+    """Consume one SQS queue (standard or FIFO) into the inbox until ``stop`` is set."""
+
+    def run(self) -> None:
+        """Consume until stopped; back off through outages and a missing queue."""
+        while not self.stop.is_set():
+            try:
+                self._session()
+            except SourceNotReady as exc:
+                self.stop.wait(self.not_ready.failed(exc))
+            except _ERRORS as exc:
+                self.stop.wait(self.broker.failed(f"{type(exc).__name__}: {exc}"))
+
+    def _client(self) -> Any:
+        return boto3.session.Session().client(
+            "sqs",
+            region_name=self.source.region,
+            endpoint_url=self.source.endpoint_url,
+            # Our own back-off decides; a long poll must not be cut short.
+            config=botocore.config.Config(
+                retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=RECEIVE_WAIT_SECONDS + 10,
+                max_pool_connections=4,
+            ),
+        )
+
+    def _session(self) -> None:
+        client = self._client()
+        attributes = self._queue_attributes(client)
+        visibility = int(attributes.get("VisibilityTimeout", 30))
+        if not self.source.dead_letter_queue_url and "RedrivePolicy" not in attributes:
+            log.warning(
+                "source %s: queue %r has no redrive policy and the source no "
+                "dead_letter_queue_url: conflicts and poison messages come back after each "
+                "visibility timeout, for ever",
+                self.source.name,
+                self.source.queue,
+                extra={"source": self.source.name},
+            )
+        log.info(
+            "source %s: consuming queue %r on %s",
+            self.source.name,
+            self.source.queue,
+            self.source.endpoint_url or self.source.region,
+        )
+        self.not_ready.recovered()
+        self.broker.recovered()
+        leases = Leases(
+            self.source.name,
+            visibility,
+            lambda raws, seconds: _change_visibility(client, self.source.url, raws, seconds),
+            "visibility timeout",
+        )
+        try:
+            self._consume(client, leases)
+        finally:
+            leases.close()
+
+    def _queue_attributes(self, client: Any) -> dict[str, str]:
+        try:
+            response = client.get_queue_attributes(
+                QueueUrl=self.source.url, AttributeNames=["VisibilityTimeout", "RedrivePolicy"]
+            )
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _NO_QUEUE:
+                raise SourceNotReady(
+                    f"queue {self.source.url} does not exist; "
+                    f"create it (flask --app wsgi brokers declare {self.source.name})"
+                ) from exc
+            raise
+        return dict(response.get("Attributes") or {})
+
+    def _consume(self, client: Any, leases: Leases) -> None:
+        # This thread receives a batch while a second stores and settles the
+        # one before it; batches are settled one at a time, in order.
+        inflight: Future[None] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
+            try:
+                while not self.stop.is_set():
+                    since = time.monotonic()
+                    raws = self._receive(client)
+                    ticket = leases.hold(raws, since) if raws else None
+                    if inflight is not None:
+                        inflight.result()
+                        inflight = None
+                    if ticket is not None:
+                        inflight = pool.submit(self._flush, client, leases, raws, ticket)
+            finally:
+                # Stopping or not, the batch in hand is committed and settled first.
+                if inflight is not None:
+                    inflight.result()
+
+    def _receive(self, client: Any) -> list[Raw]:
+        """Up to ``batch`` messages: one long poll, then what the queue hands over at once."""
+        raws: list[Raw] = []
+        wait = RECEIVE_WAIT_SECONDS
+        while len(raws) < self.source.batch:
+            want = min(PER_CALL, self.source.batch - len(raws))
+            got = client.receive_message(
+                QueueUrl=self.source.url,
+                MaxNumberOfMessages=want,
+                WaitTimeSeconds=wait,
+                MessageAttributeNames=["All"],
+                MessageSystemAttributeNames=["All"],
+            ).get("Messages", [])
+            raws += got
+            if len(got) < want or self.stop.is_set():
+                break
+            wait = 0
+        return raws
+
+    def _flush(self, client: Any, leases: Leases, raws: list[Raw], ticket: int) -> None:
+        try:
+            prepared = self.prepare(self.source, raws, _reader_of(self.source))
+            with self.app.app_context():
+                verdicts = self.store(self.source, prepared)
+        except batch.DatabaseUnavailable as exc:
+            # Nothing committed, nothing deleted: hidden for the back-off,
+            # the batch comes back once it has passed.
+            delay = self.database.failed(exc)
+            leases.release(ticket)
+            _change_visibility(client, self.source.url, raws, max(1, math.ceil(delay)))
+            self.stop.wait(delay)
+            return
+        except BaseException:
+            leases.release(ticket)
+            raise
+        self.database.recovered()
+        try:
+            self._settle(client, raws, verdicts)
+        finally:
+            leases.release(ticket)
+
+    def _settle(self, client: Any, raws: list[Raw], verdicts: list[batch.Verdict]) -> None:
+        done: list[Raw] = []
+        dead: list[tuple[Raw, batch.Verdict]] = []
+        left: list[batch.Verdict] = []
+        for raw, verdict in zip(raws, verdicts, strict=True):
+            if verdict.action == batch.ACK:
+                done.append(raw)
+            elif self.source.dead_letter_queue_url:
+                dead.append((raw, verdict))
+            else:
+                left.append(verdict)
+        sent, failed = self._dead_letter(client, dead)
+        try:
+            _delete(client, self.source, done + [raw for raw, _ in sent])
+        finally:
+            # Those sent before a lost connection are dead-lettered all the same.
+            self.dead_lettered([verdict for _, verdict in sent])
+        if failed:
+            _change_visibility(client, self.source.url, failed, DEAD_LETTER_RETRY_SECONDS)
+        for verdict in left:
+            log.warning(
+                "source %s: message not stored (%s: %s); left to the queue's redrive policy",
+                self.source.name,
+                verdict.reason,
+                verdict.detail,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
+        self.settled += len(raws) - len(failed) - len(left)
+
+    def _dead_letter(
+        self, client: Any, dead: list[tuple[Raw, batch.Verdict]]
+    ) -> tuple[list[tuple[Raw, batch.Verdict]], list[Raw]]:
+        """Send copies to the dead-letter queue; (those sent, the messages whose copy failed)."""
+        url = self.source.dead_letter_queue_url
+        sent: list[tuple[Raw, batch.Verdict]] = []
+        failed: list[Raw] = []
+        for start in range(0, len(dead), PER_CALL):
+            chunk = dead[start : start + PER_CALL]
+            entries = [
+                _copy(str(n), raw, verdict, url or "") for n, (raw, verdict) in enumerate(chunk)
+            ]
+            try:
+                response = client.send_message_batch(QueueUrl=url, Entries=entries)
+            except _ERRORS as exc:
+                log.error(
+                    "source %s: could not dead-letter to %s (%s); the messages are retried",
+                    self.source.name,
+                    url,
+                    exc,
+                    extra={"source": self.source.name},
+                )
+                failed += [raw for raw, _ in chunk]
+                continue
+            refused = {entry["Id"]: entry for entry in response.get("Failed", [])}
+            for n, (raw, verdict) in enumerate(chunk):
+                if str(n) in refused:
+                    log.error(
+                        "source %s: the dead-letter queue refused a copy (%s); "
+                        "the message is retried",
+                        self.source.name,
+                        refused[str(n)].get("Message") or refused[str(n)].get("Code"),
+                        extra={"source": self.source.name},
+                    )
+                    failed.append(raw)
+                else:
+                    sent.append((raw, verdict))
+        return sent, failed
+
+
+def _copy(entry_id: str, raw: Raw, verdict: batch.Verdict, url: str) -> dict[str, Any]:
+    """A dead letter: the body and attributes as received, the reason beside them."""
+    attributes = dict(raw.get("MessageAttributes") or {})
+    if len(attributes) < MAX_ATTRIBUTES:
+        attributes[DEAD_LETTER_REASON] = {
+            "DataType": "String",
+            "StringValue": verdict.reason or "unknown",
+        }
+    entry: dict[str, Any] = {"Id": entry_id, "MessageBody": raw["Body"]}
+    if attributes:
+        entry["MessageAttributes"] = attributes
+    if url.endswith(".fifo"):
+        system = raw.get("Attributes") or {}
+        entry["MessageGroupId"] = system.get("MessageGroupId") or "dead-letters"
+        # A copy sent again after a crash is dropped by the queue's dedup window.
+        entry["MessageDeduplicationId"] = f"dead-letter-{raw['MessageId']}"
+    return entry
+
+
+def _delete(client: Any, source: BrokerSourceConfig, raws: Sequence[Raw]) -> None:
+    for start in range(0, len(raws), PER_CALL):
+        chunk = raws[start : start + PER_CALL]
+        response = client.delete_message_batch(
+            QueueUrl=source.url,
+            Entries=[
+                {"Id": str(n), "ReceiptHandle": r["ReceiptHandle"]} for n, r in enumerate(chunk)
+            ],
+        )
+        for entry in response.get("Failed", []):
+            # Its receipt handle expired: it comes back and is a duplicate then.
+            log.warning(
+                "source %s: a stored message could not be deleted (%s); it will come back "
+                "and be recognised as a duplicate",
+                source.name,
+                entry.get("Message") or entry.get("Code"),
+                extra={"source": source.name},
+            )
+
+
+def _change_visibility(client: Any, url: str, raws: Sequence[Raw], seconds: int) -> None:
+    for start in range(0, len(raws), PER_CALL):
+        chunk = raws[start : start + PER_CALL]
+        client.change_message_visibility_batch(
+            QueueUrl=url,
+            Entries=[
+                {"Id": str(n), "ReceiptHandle": r["ReceiptHandle"], "VisibilityTimeout": seconds}
+                for n, r in enumerate(chunk)
+            ],
+        )
+
+
+def _reader_of(source: BrokerSourceConfig) -> Any:
+    """The function that turns one of ``source``'s raw messages into a BrokerMessage."""
+
+    def read(raw: Raw) -> BrokerMessage:
+        headers = {
+            name: _attribute(value) for name, value in (raw.get("MessageAttributes") or {}).items()
+        }
+        system = raw.get("Attributes") or {}
+        properties = {"message_id": raw["MessageId"]}
+        if "MessageDeduplicationId" in system:
+            properties["deduplication_id"] = system["MessageDeduplicationId"]
+        content_type = next(
+            (v for k, v in headers.items() if k.lower() == "content-type" and type(v) is str), None
+        )
+        return BrokerMessage(
+            body=raw["Body"].encode("utf-8"),
+            content_type=content_type,
+            headers=headers,
+            properties=properties,
+            meta={
+                "broker": "sqs",
+                "queue_url": source.url,
+                "message_id": raw["MessageId"],
+                "attributes": {k: v for k, v in system.items() if k not in _PER_RECEIVE},
+            },
+        )
+
+    return read
+
+
+def _attribute(value: dict[str, Any]) -> str | bytes:
+    """A message attribute's value as text; bytes where a Binary one is not UTF-8 (kept exactly)."""
+    if "StringValue" in value:
+        return str(value["StringValue"])
+    binary = value.get("BinaryValue", b"")
+    try:
+        return bytes(binary).decode("utf-8")
+    except UnicodeDecodeError:
+        return bytes(binary)
