@@ -2,7 +2,7 @@
 
 Revision ID: 0005
 Revises: 0004
-Create Date: 2026-12-06
+Create Date: 2026-12-05
 
 Written by the inbox in the transaction of the batch it follows. A new
 table, nothing to carry over; the downgrade drops it (a consumer then

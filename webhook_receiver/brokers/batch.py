@@ -12,9 +12,9 @@ and :class:`DatabaseUnavailable` is raised: nothing may be settled as done.
 No message stops a consumer: whatever fails while one message is turned
 into a BrokerMessage, identified or stored (but the database being away) makes
 that message a dead letter with its reason, and the rest of its batch goes
-on. Before :func:`store` returns, the batch before's redelivery counts are
-written (this batch's are on their way): a consumer killed outright loses
-at most one acknowledged batch's counts.
+on. A batch's redelivery counts are written in its own transaction (on
+PostgreSQL its one statement), so none is acknowledged before its count
+is written: a consumer killed outright loses no count.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from .. import inbox, rejections
 from ..config import BrokerSourceConfig
 from ..database import is_unavailable, stall_watch
-from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome, duplicates
+from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
 from ..observability import metrics
 from .identify import CONSUMER_ERROR, BrokerMessage, Unidentified, content_fingerprint, identify
 from .outage import Outage
@@ -129,7 +129,10 @@ def store(
         # timeout then ends the wait as an outage.
         with stall_watch("broker batch store", source=source.name):
             outcomes = inbox.receive_many(
-                messages, content_fingerprint=compare, positions=positions
+                messages,
+                content_fingerprint=compare,
+                positions=positions,
+                counts_in_transaction=True,
             )
     except Exception as exc:
         raise_if_unavailable(exc)
@@ -149,9 +152,6 @@ def store(
                 raise_if_unavailable(exc)
                 raise
     _count(source.name, outcomes)
-    # Before the acks: the batch before's redelivery counts are written, this
-    # batch's hurried (the ledger would otherwise hold them up to a second).
-    duplicates.before_acks(source.name)
     if len(outcomes) == len(verdicts):  # every message was stored: the usual batch
         return [_verdict(outcome) for outcome in outcomes]
     stored = iter(outcomes)
@@ -160,7 +160,10 @@ def store(
 
 def _one(message: Message, compare: inbox.ContentFingerprint) -> Outcome | Verdict:
     try:
-        return inbox.receive_many([message], content_fingerprint=compare)[0]
+        stored = inbox.receive_many(
+            [message], content_fingerprint=compare, counts_in_transaction=True
+        )
+        return stored[0]
     except Exception as exc:
         raise_if_unavailable(exc)
         if isinstance(exc, DBAPIError):

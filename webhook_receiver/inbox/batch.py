@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sqlalchemy.engine import Connection, Engine
 
@@ -42,6 +42,7 @@ def receive_many(
     fast: bool = True,
     content_fingerprint: ContentFingerprint | None = None,
     positions: Sequence[Position] = (),
+    counts_in_transaction: bool = False,
 ) -> list[Outcome]:
     """Store a batch in one transaction, committed before this returns; an outcome per message.
 
@@ -75,6 +76,14 @@ def receive_many(
     poison records only) they are a transaction of their own. A later
     position of the same partition wins; an earlier offset overwrites a
     later one (a consumer that seeks back on purpose).
+
+    ``counts_in_transaction``: the batch's redeliveries' counts (their
+    ``event_duplicates`` rows) are written with it, as its positions are,
+    rather than by the process's ledger a moment later: on PostgreSQL its
+    one statement writes those it settles (the others, found by content or
+    after a race, go with its second transaction); on SQLite's read-first
+    path they are its one transaction. For a broker consumer, which
+    acknowledges once this returns: killed outright, it loses no count.
     """
     engine = db.engine
     moved = latest(positions)
@@ -89,7 +98,7 @@ def receive_many(
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
     rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
-    batch = Batch(messages, first, rows, now, content_fingerprint, moved)
+    batch = Batch(messages, first, rows, now, content_fingerprint, moved, counts_in_transaction)
     try:
         outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
     except _Refused as refused:
@@ -102,13 +111,11 @@ def receive_many(
         for message, event_id in kept:
             log_outcome(message, Conflict(event_id))
         raise BatchRefused([Conflict(event_id) for _, event_id in kept]) from None
-    redeliveries = []
     for message, outcome in zip(messages, outcomes, strict=True):
-        if isinstance(outcome, Duplicate):
-            redeliveries.append(duplicates.Redelivery(outcome.event_id, message.received_at or now))
-        elif isinstance(outcome, Conflict):
+        if isinstance(outcome, Conflict):
             log_outcome(message, outcome)  # an ERROR line of its own, whatever the level
-    duplicates.record_many(redeliveries)
+    if not batch.counts:
+        duplicates.record_many(_redeliveries(batch, outcomes, range(len(messages))))
     if log.isEnabledFor(logging.INFO):
         log_batch(messages, outcomes)
     return outcomes
@@ -145,10 +152,16 @@ def _store_batch(
         # GIL back.
         ridden = batch_statements.for_engine(engine).ridden_batch
         with driver_cursor(engine) as cursor:
-            new_ids, stored, moved = write_postgresql(cursor, statements, batch, ridden)
-        outcomes, conflicts = _settle_batch(batch, new_ids, stored)
-        left = {} if moved else batch.positions
-        conflicts = _keep_conflicts_after(engine, statements, batch, outcomes, conflicts, left)
+            written = write_postgresql(cursor, statements, batch, ridden)
+        new_ids = written.new_ids
+        outcomes, conflicts = _settle_batch(batch, new_ids, written.stored)
+        if written.whole:  # the statement wrote the riders
+            left, uncounted = {}, range(0)
+        else:
+            left, uncounted = batch.positions, range(len(outcomes))
+        conflicts = _keep_conflicts_after(
+            engine, statements, batch, outcomes, conflicts, left, uncounted
+        )
         return outcomes, new_ids, conflicts
     write: Writer = (
         write_postgresql_in_transaction if postgresql else write_sqlite if fast else write_core
@@ -177,7 +190,13 @@ def _store_batch_sqlite(
         if len(stored) == len(batch.first):
             outcomes, conflicts = _settle_batch(batch, {}, stored)
             conflicts = _keep_conflicts_after(
-                engine, statements, batch, outcomes, conflicts, batch.positions
+                engine,
+                statements,
+                batch,
+                outcomes,
+                conflicts,
+                batch.positions,
+                range(len(outcomes)),
             )
             return outcomes, {}, conflicts
     settled = _store_in_transaction(engine, statements, batch, False, write_sqlite)
@@ -195,18 +214,27 @@ def _keep_conflicts_after(
     outcomes: list[Outcome],
     conflicts: list[tuple[Message, int]],
     positions: Positions,
+    uncounted: Iterable[int],
 ) -> list[tuple[Message, int]]:
     """Compare and keep a batch's conflicts in a transaction of their own, after its events'.
 
-    The batch's ``positions`` not yet written go with them: only then is
-    the whole batch stored. Should this fail, receive_many raises before
-    any message is settled, and the redelivery finds the same conflict again.
+    What the batch has not written yet goes with them: its ``positions``,
+    and if it counts its redeliveries, those at the ``uncounted`` indexes
+    and those found by content. Only then is the whole batch stored.
+    Should this fail, receive_many raises before any message is settled,
+    and the redelivery finds the same conflict again.
     """
-    if conflicts or positions:
+    counted = set(uncounted) if batch.counts else set()
+    duplicate_at = [i for i in counted if type(outcomes[i]) is Duplicate]
+    if conflicts or positions or duplicate_at:
         with transaction(engine) as conn:
             if conflicts:
+                at = [i for i, outcome in enumerate(outcomes) if type(outcome) is Conflict]
                 conflicts = _compare_contents(conn, statements, batch, outcomes, conflicts)
                 keep_conflicts(conn, statements, conflicts, batch.now)
+                if batch.counts:  # the duplicates found by content
+                    duplicate_at += [i for i in at if type(outcomes[i]) is Duplicate]
+            duplicates.write_in(conn, _redeliveries(batch, outcomes, duplicate_at))
             write_positions(conn, positions, batch.now)
     return conflicts
 
@@ -233,8 +261,23 @@ def _one_transaction(
         if conflicts and all_or_nothing:
             raise _Refused(outcomes, new_ids, conflicts)
         keep_conflicts(conn, statements, conflicts, batch.now)
+        if batch.counts:
+            redeliveries = _redeliveries(batch, outcomes, range(len(outcomes)))
+            duplicates.write_in(conn, redeliveries, fast=write is not write_core)
         write_positions(conn, batch.positions, batch.now)
     return outcomes, new_ids, conflicts
+
+
+def _redeliveries(
+    batch: Batch, outcomes: list[Outcome], indexes: Iterable[int]
+) -> list[duplicates.Redelivery]:
+    """The redeliveries among the messages at ``indexes``: one row each in ``event_duplicates``."""
+    messages, now = batch.messages, batch.now
+    return [
+        duplicates.Redelivery(outcome.event_id, messages[i].received_at or now)
+        for i in indexes
+        if type(outcome := outcomes[i]) is Duplicate
+    ]
 
 
 def _settle_batch(

@@ -2,17 +2,20 @@
 
 A broker consumer's batch carries the positions it moves its source to
 (``broker_positions``: per topic and partition, the next offset to read),
-so that the stored events and the place to read on from commit together.
-The plain statements here serve every path's transaction; on PostgreSQL
-:class:`RiddenBatch` folds the riders into the batch's one statement
-(``statements.BatchRows``) as more CTEs, keeping it one round trip.
+so that the stored events and the place to read on from commit together,
+and its redeliveries' counts (``event_duplicates`` rows), so that a
+consumer acknowledges no message whose count is not written. The plain
+statements here serve every path's transaction (the counts' are in
+duplicates.py); on PostgreSQL :class:`RiddenBatch` folds the riders into
+the batch's one statement (``statements.BatchRows``) as more CTEs,
+keeping it one round trip.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +24,7 @@ from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
 from ..models import BrokerPosition, UTCDateTime
+from .messages import Message
 from .rows import Position
 from .statements import BatchRows
 from .statements import for_engine as statements_for_engine
@@ -72,27 +76,52 @@ class BatchStatements:
 
 
 class RiddenBatch:
-    """PostgreSQL: the batch's one statement with its positions as one more CTE (``moved``).
+    """PostgreSQL: the batch's one statement with its riders as more CTEs.
 
-    The positions are written only when the statement settles every
-    message itself: each key new, or taken by an event with the same
-    fingerprint. Otherwise (a possible conflict, compared and kept in a
-    transaction after this one; a key taken by a copy committed while the
-    statement ran) the batch is not whole when the statement commits, and
-    the positions go with that later transaction instead: a consumer that
-    resumes from them never skips a message whose conflict was not kept.
-    A key repeated in the batch with another fingerprint is known before:
-    such a batch's positions are not given to the statement at all.
+    ``settled`` finds the redeliveries the statement settles itself: each
+    key taken by an event with its first message's fingerprint, and each
+    later copy of a key (``c_`` arrays) with the fingerprint it is compared
+    with (the stored event's, or the new event's first message's): what
+    ``batch._settle_batch`` calls a duplicate. ``whole`` says whether that
+    is every message but the new ones (``total``). Only then are the riders
+    written: ``counted`` writes the redeliveries' ``event_duplicates`` rows
+    when asked (``c_write``), in event id order as the ledger does, and
+    ``moved`` upserts the positions. Otherwise (a possible conflict,
+    compared and kept in a transaction after this one; a key taken by a
+    copy committed while the statement ran) the batch is not whole when
+    the statement commits, and its riders go with that later transaction:
+    a consumer that resumes from its positions never skips a message whose
+    conflict was not kept, and should that transaction fail, the batch sent
+    again is counted once.
 
     Its results are the batch statement's, and one more row, all NULL, when
-    the positions were written.
+    the batch was whole (its riders written).
     """
 
     def __init__(self, rows: BatchRows) -> None:
-        whole = (
-            "(SELECT count(*) FROM inserted) + (SELECT count(*) FROM stored AS s "
+        copies = (
+            "unnest(%(c_source)s::text[], %(c_key)s::text[], %(c_fingerprint)s::text[], "
+            "%(c_at)s::timestamp[]) AS c(source, dedup_key, fingerprint, at)"
+        )
+        settled = (
+            "settled AS (SELECT s.id, b.received_at AS at FROM stored AS s "
             "JOIN batch AS b ON b.source = s.source AND b.dedup_key = s.dedup_key "
-            "WHERE b.fingerprint = s.fingerprint) = (SELECT count(*) FROM batch)"
+            "WHERE b.fingerprint = s.fingerprint "
+            f"UNION ALL SELECT coalesce(s.id, i.id), c.at FROM {copies} "
+            "JOIN batch AS b ON b.source = c.source AND b.dedup_key = c.dedup_key "
+            "LEFT JOIN stored AS s ON s.source = c.source AND s.dedup_key = c.dedup_key "
+            "LEFT JOIN inserted AS i ON i.source = c.source AND i.dedup_key = c.dedup_key "
+            "WHERE c.fingerprint = CASE WHEN s.id IS NOT NULL THEN s.fingerprint "
+            "WHEN i.id IS NOT NULL THEN b.fingerprint END)"
+        )
+        whole = (
+            "whole AS (SELECT (SELECT count(*) FROM inserted) "
+            "+ (SELECT count(*) FROM settled) = %(total)s::bigint AS yes)"
+        )
+        counted = (
+            "counted AS (INSERT INTO event_duplicates (event_id, received_at) "
+            "SELECT id, at FROM settled WHERE %(c_write)s AND (SELECT yes FROM whole) "
+            "ORDER BY id)"
         )
         moved = (
             "moved AS (INSERT INTO broker_positions "
@@ -101,19 +130,41 @@ class RiddenBatch:
             "FROM unnest(%(p_source)s::text[], %(p_topic)s::text[], "
             "%(p_partition)s::integer[], %(p_offset)s::bigint[]) "
             "AS p(source, topic, partition, next_offset) "
-            f"WHERE {whole} "
+            "WHERE (SELECT yes FROM whole) "
             "ON CONFLICT (source, topic, partition) DO UPDATE SET "
-            "next_offset = excluded.next_offset, updated_at = excluded.updated_at "
-            "RETURNING 1)"
+            "next_offset = excluded.next_offset, updated_at = excluded.updated_at)"
         )
         self.sql = (
-            f"WITH {rows.ctes}, {moved} {rows.results} "
-            "UNION ALL SELECT NULL, NULL, NULL, NULL, NULL WHERE EXISTS (SELECT FROM moved)"
+            f"WITH {rows.ctes}, {settled}, {whole}, {counted}, {moved} {rows.results} "
+            "UNION ALL SELECT NULL, NULL, NULL, NULL, NULL WHERE (SELECT yes FROM whole)"
         )
 
-    def params(self, moved: Positions, now: datetime) -> dict[str, Any]:
-        """The positions' parameters, beside the batch statement's own."""
+    def params(
+        self,
+        messages: Sequence[Message],
+        first: dict[tuple[str, str], int],
+        moved: Positions,
+        count: bool,
+        now: datetime,
+    ) -> dict[str, Any]:
+        """The riders' parameters, beside the batch statement's own.
+
+        ``first``: each key's first message, by index; the others are its
+        copies. ``count``: write the redeliveries' rows.
+        """
+        times: dict[datetime, datetime | None] = {}
+        copies = [m for index, m in enumerate(messages) if first[(m.source, m.dedup_key)] != index]
+        for m in copies:
+            at = m.received_at or now
+            if at not in times:
+                times[at] = _UTC_BIND(at, None)
         return {
+            "c_source": [m.source for m in copies],
+            "c_key": [m.dedup_key for m in copies],
+            "c_fingerprint": [m.fingerprint for m in copies],
+            "c_at": [times[m.received_at or now] for m in copies],
+            "c_write": count,
+            "total": len(messages),
             "p_source": [source for source, _, _ in moved],
             "p_topic": [topic for _, topic, _ in moved],
             "p_partition": [partition for _, _, partition in moved],

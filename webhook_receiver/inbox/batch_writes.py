@@ -35,6 +35,9 @@ class Batch(NamedTuple):
     content_fingerprint: ContentFingerprint | None
     # The positions its transaction moves its source to (see batch_statements.py).
     positions: Positions
+    # Whether its redeliveries' counts are written with it (receive_many's
+    # counts_in_transaction), rather than by the ledger.
+    counts: bool
 
 
 # What a batch's writes found: the new events' ids, and the events already
@@ -127,18 +130,28 @@ def write_postgresql_in_transaction(
 ) -> Written:
     """PostgreSQL's one statement inside the caller's transaction (an all-or-nothing batch)."""
     with transaction_cursor(conn) as cursor:
-        new_ids, stored, _ = write_postgresql(cursor, statements, batch)
-        return new_ids, stored
+        written = write_postgresql(cursor, statements, batch)
+        return written.new_ids, written.stored
+
+
+class PostgresqlWritten(NamedTuple):
+    """What PostgreSQL's one statement wrote and found."""
+
+    new_ids: dict[tuple[str, str], int]
+    stored: dict[tuple[str, str], EventUnderKey]
+    # Whether it settled every message itself, and so wrote the batch's
+    # riders (its positions, its counts if it counts them).
+    whole: bool
 
 
 def write_postgresql(
     cursor: Any, statements: Statements, batch: Batch, ridden: RiddenBatch | None = None
-) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], EventUnderKey], bool]:
+) -> PostgresqlWritten:
     """PostgreSQL: the taken keys' read, the events and their deliveries in one statement.
 
-    With ``ridden``, the batch's positions too, when the statement settles
-    every message (batch_statements.RiddenBatch); the third value says
-    whether it wrote them.
+    With ``ridden``, the batch's riders too (batch_statements.RiddenBatch):
+    its positions, and its redeliveries' counts if it counts them with it,
+    when the statement settles every message.
     """
     sql = statements.batch_insert
     messages, first = batch.messages, batch.first
@@ -146,17 +159,17 @@ def write_postgresql(
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], EventUnderKey] = {}
     text, params = sql.sql, sql.params(batch.rows, wanted)
-    if ridden is not None and batch.positions and not _repeated_otherwise(batch):
+    if ridden is not None and (batch.positions or batch.counts):
         text = ridden.sql
-        params.update(ridden.params(batch.positions, batch.now))
-    moved = False
+        params.update(ridden.params(messages, first, batch.positions, batch.counts, batch.now))
+    whole = False
     # Never prepared: planned for each batch, with its rows and the table
     # as they are then. A plan cached early (psycopg prepares a statement on
     # its fifth run) made batches of 100 five times slower as the table grew.
     cursor.execute(text, params, prepare=False)
     for event_id, source, key, print_, is_new in cursor.fetchall():
-        if is_new is None:  # RiddenBatch's row: the positions were written
-            moved = True
+        if is_new is None:  # RiddenBatch's row: the riders were written
+            whole = True
         elif is_new:
             new_ids[(source, key)] = event_id
         else:
@@ -168,7 +181,7 @@ def write_postgresql(
         cursor.execute(sql.find_sql, keys)
         for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = EventUnderKey(event_id, print_)
-    return new_ids, stored, moved
+    return PostgresqlWritten(new_ids, stored, whole)
 
 
 def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
@@ -176,16 +189,6 @@ def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
     if moved:
         statements = batch_statements_for(conn.engine)
         conn.execute(statements.upsert_positions, statements.position_rows(moved, now))
-
-
-def _repeated_otherwise(batch: Batch) -> bool:
-    """Whether a key comes again in the batch with another fingerprint: a possible conflict."""
-    messages, first = batch.messages, batch.first
-    if len(first) == len(messages):
-        return False
-    return any(
-        m.fingerprint != messages[first[(m.source, m.dedup_key)]].fingerprint for m in messages
-    )
 
 
 def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:

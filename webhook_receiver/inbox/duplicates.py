@@ -16,13 +16,11 @@ counter counts each one at once.
 
 What this gives up: a process killed outright (SIGKILL, power loss) loses
 the redeliveries it had not written yet, at most that many seconds' worth,
-so stored counts may fall short. A broker consumer has each batch's
-redeliveries written at once, on this thread, and before it acknowledges a
-batch it waits until the batch before is written (:func:`before_acks`):
-killed outright, it has acknowledged at most one batch whose counts are
-unwritten. (The one way to run over: the connection
-dies while a batch's COMMIT is on its way, the commit succeeded unseen, and
-the batch is written again.) A write that fails
+so stored counts may fall short. A broker consumer's batch is not left to
+this ledger: its redeliveries are written in the batch's own transaction
+(``receive_many(..., counts_in_transaction=True)``, through
+:func:`write_in`; on PostgreSQL inside its one statement), before any of it
+is acknowledged, so a consumer killed outright loses none. A write that fails
 (the database away) is tried again on the next round; past
 ``MAX_PENDING`` unwritten redeliveries the oldest are dropped, with a log
 line saying how many. ``DUPLICATE_FLUSH_SECONDS = 0`` writes each one in
@@ -33,18 +31,17 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from datetime import datetime
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from flask import Flask, current_app
 from sqlalchemy import Integer, bindparam, exists, insert, select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from ..background import BackgroundWriter
 from ..database import transaction
-from ..database_driver import driver_cursor
+from ..database_driver import driver_cursor, transaction_cursor
 from ..extensions import db
 from ..models import Event, EventDuplicate, UTCDateTime
 
@@ -79,7 +76,7 @@ ORDER BY r.id
 """
 
 
-def _write_arrays(engine: Engine, batch: list[Redelivery]) -> None:
+def _write_arrays(cursor: Any, batch: list[Redelivery]) -> None:
     # The arrays go in binary: in text format psycopg quotes each time
     # with a regex. A broker batch's redeliveries share their time: each
     # distinct time is converted once.
@@ -88,9 +85,8 @@ def _write_arrays(engine: Engine, batch: list[Redelivery]) -> None:
         "ids": [r.event_id for r in batch],
         "ats": [naive[r.received_at] for r in batch],
     }
-    with driver_cursor(engine) as cursor:
-        # Never prepared: a plan made while the table was small would scan it.
-        cursor.execute(_PG_WRITE, params, prepare=False)
+    # Never prepared: a plan made while the table was small would scan it.
+    cursor.execute(_PG_WRITE, params, prepare=False)
 
 
 # SQLite: the rows as one statement over the batch as a JSON parameter
@@ -104,14 +100,36 @@ WHERE EXISTS (SELECT 1 FROM events WHERE events.id = json_extract(value, '$[0]')
 """
 
 
-def _write_json(engine: Engine, batch: list[Redelivery]) -> None:
+def _write_json(cursor: Any, engine: Engine, batch: list[Redelivery]) -> None:
     # Times as SQLAlchemy stores them on SQLite (text, compared as text);
     # a batch's redeliveries share their time: each is converted once.
     stored = _sqlite_time(engine)
     text = {at: stored(at) for at in {r.received_at for r in batch}}
     rows = json.dumps([[r.event_id, text[r.received_at]] for r in batch])
-    with transaction(engine) as conn:
-        conn.exec_driver_sql(_SQLITE_RECORD, (rows,))
+    cursor.execute(_SQLITE_RECORD, (rows,))
+
+
+def write_in(conn: Connection, redeliveries: list[Redelivery], *, fast: bool = True) -> None:
+    """Write ``redeliveries`` in ``conn``'s transaction: they commit with it (a batch's own).
+
+    The dialect's one statement, as the ledger writes them (``fast=False``:
+    the plain Core statement).
+    """
+    if not redeliveries:
+        return
+    # In event id order: each row's foreign key takes a share lock on its
+    # event, so two processes' batches take their locks in one order and
+    # cannot deadlock.
+    batch = sorted(redeliveries)
+    name = conn.dialect.name
+    if fast and name in ("postgresql", "sqlite"):
+        with transaction_cursor(conn) as cursor:
+            if name == "postgresql":
+                _write_arrays(cursor, batch)
+            else:
+                _write_json(cursor, conn.engine, batch)
+        return
+    conn.execute(_RECORD, [{"r_id": r.event_id, "r_at": r.received_at} for r in batch])
 
 
 def _sqlite_time(engine: Engine) -> Callable[[datetime], str]:
@@ -145,13 +163,6 @@ class DuplicateLedger(BackgroundWriter):
         super().__init__(flush_seconds)
         self.engine = engine
         self._pending: list[Redelivery] = []
-        # Redeliveries noted so far, and how many of the first of them are
-        # written (or dropped): a consumer waits on these before its acks.
-        self._noted = 0
-        self._written = 0
-        self._progress = threading.Condition(self._lock)
-        # Per broker source: how many were noted when its last batch was acked.
-        self._noted_at_ack: dict[str, int] = {}
 
     def record(self, event_id: int, received_at: datetime) -> None:
         """Note one redelivery of ``event_id``; it is written within the flush interval."""
@@ -163,35 +174,10 @@ class DuplicateLedger(BackgroundWriter):
             return
         if self.flush_seconds == 0:
             self._write(redeliveries)
-            with self._lock:
-                self._noted += len(redeliveries)
-                self._written += len(redeliveries)
             return
         with self._lock:
             self._pending.extend(redeliveries)
-            self._noted += len(redeliveries)
         self.wake()
-
-    def before_acks(self, source: str, timeout: float = 5.0) -> None:
-        """Before a broker batch of ``source`` is acked: every earlier batch's counts are written.
-
-        The batch's own redeliveries are written now, on the ledger's
-        thread (on its own connection, beside the next batch's store); the
-        call waits only for those of the batch before, which that thread has
-        usually written already. So a consumer killed outright has acked at
-        most one batch whose counts are not written. Past ``timeout`` (the
-        thread stuck), it writes them itself.
-        """
-        with self._lock:
-            earlier = self._noted_at_ack.get(source, 0)
-            self._noted_at_ack[source] = self._noted
-            if self._written >= self._noted:
-                return  # nothing unwritten (the usual batch of new messages)
-        self.hurry()
-        with self._lock:
-            written = self._progress.wait_for(lambda: self._written >= earlier, timeout)
-        if not written:
-            self.flush()
 
     def pending(self) -> int:
         """How many redeliveries wait to be written."""
@@ -207,9 +193,6 @@ class DuplicateLedger(BackgroundWriter):
                 return 0
             try:
                 self._write(batch)
-                with self._lock:
-                    self._written += len(batch)
-                    self._progress.notify_all()
             except Exception:
                 log.warning(
                     "could not record %d redeliveries; will try again",
@@ -227,18 +210,14 @@ class DuplicateLedger(BackgroundWriter):
         ``fast=False`` takes the plain Core statements instead of the
         dialect's one statement per write (the contract test compares them).
         """
-        # In event id order: each row's foreign key takes a share lock on its
-        # event, so two processes' batches take their locks in one order and
-        # cannot deadlock.
-        batch = sorted(batch)
         if fast and self.engine.dialect.name == "postgresql":
-            _write_arrays(self.engine, batch)
-            return
-        if fast and self.engine.dialect.name == "sqlite":
-            _write_json(self.engine, batch)
+            # One autocommitted statement, its own transaction; in event id
+            # order, as write_in writes.
+            with driver_cursor(self.engine) as cursor:
+                _write_arrays(cursor, sorted(batch))
             return
         with transaction(self.engine) as conn:
-            conn.execute(_RECORD, [{"r_id": r.event_id, "r_at": r.received_at} for r in batch])
+            write_in(conn, batch, fast=fast)
 
     def _put_back(self, batch: list[Redelivery]) -> None:
         with self._lock:
@@ -246,8 +225,6 @@ class DuplicateLedger(BackgroundWriter):
             overflow = len(self._pending) - MAX_PENDING
             if overflow > 0:
                 del self._pending[:overflow]
-                self._written += overflow  # lost, and said so below: nobody waits for them
-                self._progress.notify_all()
         if overflow > 0:
             log.error(
                 "dropped %d unrecorded redeliveries (more than %d waiting)",
@@ -268,12 +245,6 @@ def record_many(redeliveries: list[Redelivery]) -> None:
     """Note a batch's redeliveries in the current app's ledger."""
     ledger: DuplicateLedger = current_app.extensions[EXTENSION]
     ledger.record_many(redeliveries)
-
-
-def before_acks(source: str) -> None:
-    """Before a broker batch of ``source`` is acked: the earlier batches' counts are written."""
-    ledger: DuplicateLedger = current_app.extensions[EXTENSION]
-    ledger.before_acks(source)
 
 
 def init_app(app: Flask) -> None:
