@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -221,6 +223,55 @@ class Delivery(Model):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The replay that last put it back in the queue (a ``replays`` row; no
+    # foreign key: replays are never deleted), and which replay's key it
+    # sends: 0 the original, n the key with ``:replay-<n>`` appended.
+    replay_id: Mapped[int | None] = mapped_column(BigInteger)
+    key_replay: Mapped[int] = mapped_column(Integer, server_default="0")
+
+
+class DeliveryAttempt(Model):
+    """One attempt of a delivery: when it ran, how it went, what the consumer answered.
+
+    Written by the worker in the transaction that records the attempt's
+    outcome on the delivery; deleted with the delivery (so with its event).
+    """
+
+    __tablename__ = "delivery_attempts"
+    __table_args__ = (Index("ix_delivery_attempts_delivery_id_id", "delivery_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    delivery_id: Mapped[int] = mapped_column(ForeignKey("deliveries.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    outcome: Mapped[str] = mapped_column(String(20))
+    latency_ms: Mapped[float] = mapped_column(Float)
+    status: Mapped[int | None] = mapped_column(Integer)
+    confirmation: Mapped[str | None] = mapped_column(String(500))
+    error: Mapped[str | None] = mapped_column(Text)
+    response_body: Mapped[str | None] = mapped_column(Text)
+    replay_id: Mapped[int | None] = mapped_column(BigInteger)
+    worker: Mapped[str | None] = mapped_column(String(200))
+
+
+class Replay(Model):
+    """An operator's replay: who asked, when, for which deliveries, and how many went again."""
+
+    __tablename__ = "replays"
+    __table_args__ = (Index("ix_replays_created_at_id", "created_at", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    actor: Mapped[str] = mapped_column(String(200))
+    via: Mapped[str] = mapped_column(String(20))  # admin | cli
+    # The filter as given: event_id, consumer, source, type, state, since, until, limit.
+    filters: Mapped[dict[str, Any]] = mapped_column(Json)
+    new_key: Mapped[bool] = mapped_column(Boolean)
+    # The count shown before the confirmation, and how many were put back since.
+    matched: Mapped[int] = mapped_column(Integer)
+    replayed: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class EntityVersion(Model):
