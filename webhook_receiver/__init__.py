@@ -73,12 +73,13 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     migrate.init_app(app, db, directory=_migrations_dir())
     csrf.init_app(app)
 
-    from . import correlation, database, observability, problems
+    from . import correlation, database, observability, problems, tracing
 
     database.init_app(app)
     problems.init_app(app)
     correlation.init_app(app)
     observability.init_app(app)
+    tracing.init_app(app)
 
     from . import openapi, problem_pages
 

@@ -12,7 +12,7 @@ and names the same folders and modules as ``LAYERS``):
    outbox's delivery and ordering records, the idempotency record, event
    reads;
 1. the foundation: engine and transactions, the driver's cursors, models,
-   config, fingerprints, pointers, correlation ids.
+   config, fingerprints, pointers, correlation ids, traces.
 
 A module may import its own layer or lower ones; imports inside functions
 count as much as those at the top. Every module of the package must be
@@ -63,6 +63,7 @@ LAYERS: dict[str, int] = {
     "webhook_receiver.fingerprint": 1,
     "webhook_receiver.models": 1,
     "webhook_receiver.pointers": 1,
+    "webhook_receiver.tracing": 1,
 }
 
 # Modules that may import the package's own modules inside a function, and why.

@@ -8,7 +8,7 @@ from typing import Any
 
 from flask import Blueprint, Response, abort, g, jsonify, request, url_for
 
-from .. import correlation, events, inbox
+from .. import correlation, events, inbox, tracing
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
@@ -74,6 +74,7 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             correlation_id=correlation.current(),
             client=g.client,
             received_at=now,
+            traceparent=tracing.current_traceparent(request.headers.get("traceparent")),
         )
     except Unstorable as exc:
         # A type or Content-Type no database can store as it is (too long,

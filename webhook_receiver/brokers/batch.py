@@ -29,7 +29,7 @@ from flask import Flask
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from .. import inbox, rejections
+from .. import inbox, rejections, tracing
 from ..config import BrokerSourceConfig
 from ..database import is_unavailable, stall_watch
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
@@ -127,7 +127,10 @@ def store(
     try:
         # A stalled database is said once, past a few seconds; the statement
         # timeout then ends the wait as an outage.
-        with stall_watch("broker batch store", source=source.name):
+        with (
+            stall_watch("broker batch store", source=source.name),
+            tracing.span("broker batch", source=source.name, messages=len(messages)),
+        ):
             outcomes = inbox.receive_many(
                 messages,
                 content_fingerprint=compare,

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 
 import orjson
 
-from .. import events, pointers
+from .. import events, pointers, tracing
 from ..config import BrokerSourceConfig, parse_broker_spec
 from ..fingerprint import (
     JSONError,
@@ -108,6 +108,7 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
             headers=_headers(message.headers),
             meta=_clean_meta(message),
             correlation_id=_correlation_id(message),
+            traceparent=tracing.traceparent_in(message.headers),
         )
     except Unstorable as exc:
         # PostgreSQL refuses a NUL in text and a value longer than its column,

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple, cast
 from sqlalchemy import String
 
 from ..models import Event
+from ..tracing import META_KEY as TRACEPARENT_META
+from ..tracing import valid_traceparent
 
 _NO_META: Mapping[str, Any] = MappingProxyType({})
 
@@ -103,11 +105,14 @@ class Message(NamedTuple):
         correlation_id: str | None = None,
         client: str | None = None,
         received_at: datetime | None = None,
+        traceparent: str | None = None,
     ) -> Message:
         """Build a message an intake hands to the inbox, or raise Unstorable.
 
         The one way an intake makes a Message: it checks the limits above
         (a few length and NUL tests; the slow walk only names what failed).
+        ``traceparent`` (W3C; one that is not is left out, never refused) is
+        kept in the meta, for the delivery attempts to continue its trace.
         """
         # One scan of the text fields together for a NUL and for non-ASCII
         # (only then is it encoded, to find a lone surrogate).
@@ -127,6 +132,10 @@ class Message(NamedTuple):
             or (meta and _meta_has_nul(meta))
         ):
             _refuse(source, dedup_key, event_type, content_type, client, correlation_id, meta)
+        if traceparent is not None:
+            traceparent = valid_traceparent(traceparent)
+            if traceparent is not None:
+                meta = {**meta, TRACEPARENT_META: traceparent}
         return cls(
             source,
             dedup_key,

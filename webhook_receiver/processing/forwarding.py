@@ -13,23 +13,23 @@ import base64
 import hashlib
 import hmac
 import re
-import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import quote, urlsplit
 
 import requests
+from opentelemetry.trace import SpanKind
 from standardwebhooks.webhooks import Webhook
 
+from .. import tracing
 from ..config import ForwardConfig
-from . import publishers
+from . import attempts, publishers
 from .backoff import is_retryable_status
 
 USER_AGENT = "webhook-receiver/0.1"
 # Read at most this much of an answer: enough for an error message, and
 # reading it lets the connection be reused.
 MAX_BODY_READ = 64 * 1024
-_TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 _HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
 
 
@@ -44,6 +44,10 @@ class Outgoing:
     content_type: str | None
     body: bytes
     correlation_id: str | None
+    # The traceparent the event was received under (tracing.META_KEY).
+    traceparent: str | None = None
+    # Which replay's key the delivery sends: 0 the original (see idempotency_key).
+    key_replay: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,18 @@ class Result:
     status: int | None = None
     retry_after: str | None = None
     error: str | None = None
+    # For the attempt log: the answer's first 2 KB (credentials redacted), or
+    # what the broker confirmed.
+    response_body: str | None = None
+    confirmation: str | None = None
 
 
-def idempotency_key(consumer: str, source: str, dedup_key: str) -> str:
-    """The Idempotency-Key sent downstream, stable across attempts and requeues."""
-    key = f"{consumer}:{source}:{dedup_key}"
+def idempotency_key(consumer: str, source: str, dedup_key: str, replay: int = 0) -> str:
+    """The Idempotency-Key sent downstream, stable across attempts and requeues.
+
+    A replay asked for with a new key (``replay`` n > 0) appends ``:replay-<n>``.
+    """
+    key = f"{consumer}:{source}:{dedup_key}" + (f":replay-{replay}" if replay else "")
     # A header value must be printable ASCII; a dedup key taken from a JSON
     # body may be anything, so anything else is percent-encoded.
     return key if _HEADER_SAFE.match(key) else quote(key, safe="")
@@ -70,7 +81,7 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
     correlation_id = out.correlation_id or f"event-{out.event_id}"
     headers = {
         "Content-Type": out.content_type or "application/octet-stream",
-        "Idempotency-Key": idempotency_key(consumer, out.source, out.dedup_key),
+        "Idempotency-Key": idempotency_key(consumer, out.source, out.dedup_key, out.key_replay),
         "X-Request-Id": correlation_id,
         "X-Webhook-Source": out.source,
         "X-Webhook-Event-Id": str(out.event_id),
@@ -78,15 +89,30 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
     }
     if out.event_type and _HEADER_SAFE.match(out.event_type):
         headers["X-Webhook-Event-Type"] = out.event_type
-    if _TRACE_ID.match(correlation_id):
-        headers["traceparent"] = f"00-{correlation_id}-{secrets.token_hex(8)}-01"
+    tracing.outgoing(headers, out.traceparent, correlation_id)
     return headers
 
 
 def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
     """Send the event once: POST it, or publish it to a broker; never raises for network trouble."""
-    if forward.scheme in publishers.BROKER_SCHEMES:
-        return _publish(consumer, forward, out)
+    with tracing.span(
+        "forward",
+        kind=SpanKind.CLIENT,
+        consumer=consumer,
+        event_id=out.event_id,
+        dedup_key=out.dedup_key,
+        correlation_id=out.correlation_id,
+    ) as span:
+        if forward.scheme in publishers.BROKER_SCHEMES:
+            result = _publish(consumer, forward, out)
+        else:
+            result = _post(http, consumer, forward, out)
+        if span is not None:
+            tracing.end_with(span, result.ok, result.status, result.error)
+    return result
+
+
+def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
     try:
         response = http.post(
             forward.url,
@@ -106,8 +132,9 @@ def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Out
         status = response.status_code
         snippet = _read_some(response)
         retry_after = response.headers.get("Retry-After")
+    kept = attempts.response_text(snippet, forward)
     if 200 <= status < 300:
-        return Result(ok=True, retryable=False, status=status)
+        return Result(ok=True, retryable=False, status=status, response_body=kept)
     text = snippet.decode("utf-8", "replace").strip()
     error = f"HTTP {status}" + (f": {text[:500]}" if text else "")
     return Result(
@@ -116,17 +143,21 @@ def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Out
         status=status,
         retry_after=retry_after,
         error=error,
+        response_body=kept,
     )
 
 
 def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
+    correlation_id = out.correlation_id or f"event-{out.event_id}"
+    headers = {"X-Webhook-Source": out.source, "X-Webhook-Event-Id": str(out.event_id)}
+    tracing.outgoing(headers, out.traceparent, correlation_id)
     message = publishers.BrokerMessage(
         body=out.body,
         content_type=out.content_type,
-        message_id=idempotency_key(consumer, out.source, out.dedup_key),
-        correlation_id=out.correlation_id or f"event-{out.event_id}",
+        message_id=idempotency_key(consumer, out.source, out.dedup_key, out.key_replay),
+        correlation_id=correlation_id,
         event_type=out.event_type,
-        headers={"X-Webhook-Source": out.source, "X-Webhook-Event-Id": str(out.event_id)},
+        headers=headers,
     )
     try:
         publishers.publish(forward, message)
@@ -134,7 +165,7 @@ def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
         return Result(ok=False, retryable=False, error=str(exc))
     except publishers.PublishError as exc:
         return Result(ok=False, retryable=True, error=str(exc))
-    return Result(ok=True, retryable=False)
+    return Result(ok=True, retryable=False, confirmation=f"{forward.scheme}: publish confirmed")
 
 
 def _signed(headers: dict[str, str], forward: ForwardConfig, body: bytes) -> dict[str, str]:

@@ -43,13 +43,15 @@ import requests
 from flask import Flask
 from sqlalchemy import select
 
+from .. import tracing
 from ..config import ConfigError
 from ..database import is_unavailable, stall_watch, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
 from ..outbox import deliveries, ordering
 from ..outbox.deliveries import Claim
-from . import backoff, forwarding, publishers, registry
+from . import attempts as attempt_log
+from . import backoff, forwarding, limits, publishers, registry
 from .handlers import PermanentFailure
 from .outcomes import DEAD, DELIVERED, LEASE_LOST, RETRY, SKIPPED, AttemptOutcome
 from .registry import Consumer
@@ -65,6 +67,8 @@ class _Snapshot:
     content_type: str | None
     body: bytes
     correlation_id: str | None
+    # The traceparent the event was received under: its attempts continue that trace.
+    traceparent: str | None = None
 
 
 class Worker:
@@ -91,6 +95,8 @@ class Worker:
         self.retry_after_cap = float(config["WORKER_RETRY_AFTER_MAX_SECONDS"])
         self.threads = int(config["WORKER_THREADS"])
         self.stall_after = float(config["DATABASE_STALL_WARNING_SECONDS"])
+        # Off: no attempt rows, the delivery keeps its last error only.
+        self.attempt_log = bool(config.get("WORKER_ATTEMPT_LOG", True))
         self._check_lease()
         # The caller's thread's session; the loop's threads open their own
         # (requests does not promise a Session is thread-safe), unless one
@@ -99,6 +105,8 @@ class Worker:
         self._shared_http = http is not None
         self._local = threading.local()
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        # Each forward target's circuit breaker and rate limit (limits.py).
+        self.gates = limits.Gates(clock, self._watch, self.name)
         self._stop = threading.Event()
         self._slots: _Slots | None = None
 
@@ -206,19 +214,26 @@ class Worker:
         return self.attempt(claim)
 
     def _claim(self, skip: Collection[tuple[str, str]] = ()) -> Claim | None:
+        now = self.clock()
+        # Nor the targets whose circuit or rate limit held a delivery back here.
+        skip = [*skip, *self.gates.held(now)]
         with self._watch("worker claim"), unit_of_work():
-            return deliveries.claim_next(self.clock(), self.lease, skip)
+            return deliveries.claim_next(now, self.lease, skip)
 
     def attempt(self, claim: Claim) -> AttemptOutcome:
         """Process a claimed delivery, then log and report its outcome. Needs an app context."""
         started = time.monotonic()
+        self._local.notes = attempt_log.Notes.begin(self.clock())
         try:
             outcome = self.process(claim)
         except BaseException:
             db.session.rollback()
             raise
+        finally:
+            self._local.notes = None
         outcome = replace(outcome, duration_seconds=time.monotonic() - started)
-        self.report(outcome)
+        if outcome.outcome != limits.HELD:  # held back by a gate: no attempt to report
+            self.report(outcome)
         return outcome
 
     def limit_of(self, source: str, consumer: str) -> int:
@@ -256,6 +271,7 @@ class Worker:
                     Event.content_type,
                     Event.body,
                     Event.correlation_id,
+                    Event.meta[tracing.META_KEY].as_string(),
                 ).where(Event.id == claim.event_id)
             ).one_or_none()
             # End the read, so that the next transaction opens with its write.
@@ -279,9 +295,22 @@ class Worker:
                 claim, snap, f"out of attempts ({limit}); the last one's lease expired", None
             )
         key = self._ordering_key(consumer, snap)
-        if consumer.handler is not None:
-            return self._run_handler(claim, consumer, snap, key, limit)
-        return self._run_forward(claim, consumer, snap, key, limit)
+        with tracing.span(
+            "delivery attempt",
+            parent=snap.traceparent,
+            consumer=consumer.name,
+            event_id=claim.event_id,
+            attempt=claim.attempt,
+            dedup_key=snap.dedup_key,
+            correlation_id=snap.correlation_id,
+        ) as span:
+            if consumer.handler is not None:
+                outcome = self._run_handler(claim, consumer, snap, key, limit)
+            else:
+                outcome = self._run_forward(claim, consumer, snap, key, limit)
+            if span is not None:
+                span.set_attribute("outcome", outcome.outcome)
+        return outcome
 
     def _ordering_key(self, consumer: Consumer, snap: _Snapshot) -> ordering.Key | None:
         rule = self.registry.ordering.get(snap.source)
@@ -306,11 +335,13 @@ class Worker:
                     raise _LeaseLost()
                 if key is not None and not ordering.advance(snap.source, key, claim.event_id, now):
                     deliveries.mark_skipped(claim, now, ordering.STALE)
+                    self._log_attempt(claim, attempt_log.SKIPPED, error=ordering.STALE)
                     return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
                 event = session.get(Event, claim.event_id, populate_existing=True)
                 consumer.handler.func(event, session)
                 if not deliveries.mark_delivered(claim, self.clock()):
                     raise _LeaseLost()
+                self._log_attempt(claim, attempt_log.DELIVERED)
         except _LeaseLost:
             return self._outcome(claim, snap, LEASE_LOST)
         except Exception as exc:
@@ -334,6 +365,8 @@ class Worker:
         if key is not None:
             with self._watch("worker ordering check"), unit_of_work():
                 skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
+                if skipped:
+                    self._log_attempt(claim, attempt_log.SKIPPED, error=ordering.STALE)
             if skipped:
                 return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
         out = forwarding.Outgoing(
@@ -344,8 +377,15 @@ class Worker:
             content_type=snap.content_type,
             body=snap.body,
             correlation_id=snap.correlation_id,
+            traceparent=snap.traceparent,
+            key_replay=claim.key_replay,
         )
+        gate = self.gates.enter(claim, snap.source, consumer.forward)
+        if not isinstance(gate, limits.Pass):
+            return self._outcome(claim, snap, limits.HELD, next_attempt_at=gate)
         result = forwarding.send(self._session(), consumer.name, consumer.forward, out)
+        self.gates.leave(gate, consumer.forward, failed=not result.ok and result.retryable)
+        self._note_result(result)
         if not result.ok:
             return self._fail(
                 claim,
@@ -358,6 +398,7 @@ class Worker:
             )
         now = self.clock()
         with self._watch("worker outcome"), unit_of_work():
+            self._log_attempt(claim, attempt_log.DELIVERED, status=result.status)
             if not deliveries.mark_delivered(claim, now, result.status):
                 return self._outcome(claim, snap, LEASE_LOST, status=result.status)
             if key is not None:
@@ -380,7 +421,7 @@ class Worker:
         if permanent or claim.attempt >= limit:
             if not permanent:
                 error = f"out of attempts ({limit}): {error}"
-            return self._give_up(claim, snap, error, status)
+            return self._give_up(claim, snap, error, status, retryable=not permanent)
         now = self.clock()
         delay = backoff.delay_seconds(
             claim.attempt,
@@ -392,6 +433,7 @@ class Worker:
         )
         next_at = now + timedelta(seconds=delay)
         with self._watch("worker outcome"), unit_of_work():
+            self._log_attempt(claim, attempt_log.RETRYABLE_FAILURE, status=status, error=error)
             marked = deliveries.mark_retry(claim, now, next_at, error, status)
         if not marked:
             return self._outcome(claim, snap, LEASE_LOST, status=status, error=error)
@@ -400,9 +442,17 @@ class Worker:
         )
 
     def _give_up(
-        self, claim: Claim, snap: _Snapshot, error: str, status: int | None
+        self,
+        claim: Claim,
+        snap: _Snapshot,
+        error: str,
+        status: int | None,
+        *,
+        retryable: bool = False,
     ) -> AttemptOutcome:
+        failure = attempt_log.RETRYABLE_FAILURE if retryable else attempt_log.PERMANENT_FAILURE
         with self._watch("worker outcome"), unit_of_work():
+            self._log_attempt(claim, failure, status=status, error=error)
             marked = deliveries.mark_dead(claim, self.clock(), error, status)
         return self._outcome(
             claim, snap, DEAD if marked else LEASE_LOST, status=status, error=error
@@ -423,6 +473,22 @@ class Worker:
             outcome=outcome,
             **fields,
         )
+
+    def _note_result(self, result: forwarding.Result) -> None:
+        notes = getattr(self._local, "notes", None)
+        if notes is not None:
+            notes.response_body = result.response_body
+            notes.confirmation = result.confirmation
+
+    def _log_attempt(
+        self, claim: Claim, outcome: str, *, status: int | None = None, error: str | None = None
+    ) -> None:
+        """Add the attempt's row, in the unit of work that records its outcome."""
+        if self.attempt_log:
+            notes = getattr(self._local, "notes", None)
+            attempt_log.record(
+                claim, notes, self.clock(), outcome, status=status, error=error, worker=self.name
+            )
 
     # -- observability --------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from werkzeug.datastructures import Headers
 
-from .. import correlation, events, inbox, rejections
+from .. import correlation, events, inbox, rejections, tracing
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..inbox.messages import Unstorable
 from ..observability import metrics
@@ -120,6 +120,7 @@ def _store_batch(
     # Each event is stored as a structured delivery of it would be: its own
     # JSON, so the fingerprint matches that delivery's.
     entry_type = content_type.replace("cloudevents-batch+json", "cloudevents+json", 1)
+    traceparent = tracing.current_traceparent(headers.get("traceparent"))
     messages = []
     for part in batch:
         content = canonical_json(part.json)
@@ -134,6 +135,7 @@ def _store_batch(
                 headers=redacted,
                 meta=part.identified.meta,
                 correlation_id=correlation.current(),
+                traceparent=traceparent,
             )
         except Unstorable as exc:
             raise _refusal(exc) from exc
@@ -146,7 +148,8 @@ def _store_batch(
                 f"the batch holds two different events with the key {message.dedup_key}",
             )
     try:
-        outcomes = inbox.receive_many(messages, all_or_nothing=True)
+        with tracing.span("inbox receive_many", source=source.name, messages=len(messages)):
+            outcomes = inbox.receive_many(messages, all_or_nothing=True)
     except inbox.BatchRefused as refused:
         for _ in refused.conflicts:
             metrics.conflict(source.name)
@@ -209,10 +212,12 @@ def _store(
             headers=_redacted(source, headers),
             meta=identified.meta,
             correlation_id=correlation.current(),
+            traceparent=tracing.current_traceparent(headers.get("traceparent")),
         )
     except Unstorable as exc:
         raise _refusal(exc) from exc
-    outcome = inbox.receive(message)
+    with tracing.span("inbox receive", source=source.name, dedup_key=message.dedup_key):
+        outcome = inbox.receive(message)
     if isinstance(outcome, inbox.Accepted):
         metrics.received(source.name)
         return Receipt("accepted", accepted_body(outcome.event_id), outcome.event_id)

@@ -1,0 +1,200 @@
+"""Traces: one trace from the intake's traceparent, through the inbox and the worker, onward.
+
+Each test gives the app a tracer provider with an in-memory exporter (the
+``OTEL_TRACER_PROVIDER`` setting), sends a message carrying a sender's
+``traceparent`` through a real intake (HTTP, RabbitMQ, NATS JetStream), runs
+the worker against a real HTTP downstream, and reads the spans: every one
+is in the sender's trace, each under its parent, and the forward's outgoing
+``traceparent`` names the forward's span. Without a provider nothing is
+traced, and the stored traceparent still goes onward.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import select
+
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Event
+
+from ..brokers.conftest import consuming, count_events, nats_source, rabbit_source, wait_until
+from ..helpers.signing import hmac_hex
+from ..processing.conftest import FAST, SOURCE, config_with, drain, forward
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+SENDER_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{SENDER_SPAN}-01"
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+def _provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+def _hex(value: int, digits: int) -> str:
+    return format(value, f"0{digits}x")
+
+
+def _by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    named: dict[str, ReadableSpan] = {}
+    for span in spans:
+        named.setdefault(span.name, span)
+    return named
+
+
+def _parent_of(span: ReadableSpan) -> str | None:
+    return None if span.parent is None else _hex(span.parent.span_id, 16)
+
+
+def _id_of(span: ReadableSpan) -> str:
+    return _hex(span.context.span_id, 16)
+
+
+def _deliver(app, downstream, clock, make_worker) -> dict[str, str]:
+    """Run the worker until the event is forwarded; the forward's request headers."""
+    clock.now = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=1)
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    (call,) = downstream.calls_to("/sink")
+    return {name.lower(): value for name, value in call.headers.items()}
+
+
+def _assert_attempt_continues(
+    spans: dict[str, ReadableSpan], received_under: str, outgoing: str
+) -> None:
+    """The attempt is the receipt's child, the forward the attempt's, the request the forward's."""
+    attempt, sent = spans["delivery attempt"], spans["forward"]
+    for span in (attempt, sent):
+        assert _hex(span.context.trace_id, 32) == TRACE_ID
+    assert _parent_of(attempt) == received_under
+    assert _parent_of(sent) == _id_of(attempt)
+    assert attempt.attributes["consumer"] == "sink"
+    assert attempt.attributes["outcome"] == "delivered"
+    assert outgoing == f"00-{TRACE_ID}-{_id_of(sent)}-01"
+
+
+def test_a_webhook_receipt_the_inbox_the_attempt_and_the_forward_are_one_trace(
+    make_app, downstream, clock, make_worker, exporter
+):
+    config = config_with([forward("sink", downstream.url + "/sink")])
+    app = make_app(config, OTEL_TRACER_PROVIDER=_provider(exporter), **FAST)
+    body = json.dumps({"type": "order.paid", "id": 1}).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "X-Signature": f"sha256={hmac_hex(body, 'shop-secret-0123456789')}",
+        "Idempotency-Key": "k-1",
+        "traceparent": TRACEPARENT,
+    }
+    answer = app.test_client().post(f"/webhooks/{SOURCE}", data=body, headers=headers)
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    outgoing = _deliver(app, downstream, clock, make_worker)["traceparent"]
+    spans = _by_name(exporter.get_finished_spans())
+    server = next(s for s in spans.values() if s.kind.name == "SERVER")
+    assert _hex(server.context.trace_id, 32) == TRACE_ID
+    assert _parent_of(server) == SENDER_SPAN
+    inbox_span = spans["inbox receive"]
+    assert _parent_of(inbox_span) == _id_of(server)
+    assert inbox_span.attributes["dedup_key"] == "k-1"
+    with app.app_context():
+        stored = db.session.scalars(select(Event.meta)).one()
+    # The event keeps the receipt's span as its parent: the attempt continues there.
+    assert stored["traceparent"] == f"00-{TRACE_ID}-{_id_of(server)}-01"
+    _assert_attempt_continues(spans, _id_of(server), outgoing)
+
+
+def test_an_amqp_header_traceparent_reaches_the_forward(
+    make_app, amqp_queue, downstream, clock, make_worker, exporter
+):
+    source = rabbit_source(amqp_queue, forward=[forward("sink", downstream.url + "/sink")])
+    app = make_app(
+        {"sources": {"orders": source}}, OTEL_TRACER_PROVIDER=_provider(exporter), **FAST
+    )
+    props: dict[str, Any] = {
+        "message_id": "m-1",
+        "type": "order.paid",
+        "content_type": "application/json",
+        "headers": {"traceparent": TRACEPARENT},
+    }
+    amqp_queue.publish([(b'{"order": 1}', props)])
+    with consuming(app, "orders"):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    outgoing = _deliver(app, downstream, clock, make_worker)["traceparent"]
+    spans = _by_name(exporter.get_finished_spans())
+    assert spans["broker batch"].attributes["messages"] == 1
+    # A broker batch holds many traces: each message's attempt continues the sender's.
+    _assert_attempt_continues(spans, SENDER_SPAN, outgoing)
+
+
+def test_a_nats_header_traceparent_reaches_the_forward(
+    make_app, jetstream, downstream, clock, make_worker, exporter
+):
+    source = nats_source(jetstream, forward=[forward("sink", downstream.url + "/sink")])
+    app = make_app(
+        {"sources": {"orders": source}}, OTEL_TRACER_PROVIDER=_provider(exporter), **FAST
+    )
+    headers = {"Nats-Msg-Id": "m-1", "traceparent": TRACEPARENT}
+    jetstream.publish([(f"{jetstream.prefix}.order.paid", b'{"order": 1}', headers)])
+    with consuming(app, "orders"):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    outgoing = _deliver(app, downstream, clock, make_worker)["traceparent"]
+    _assert_attempt_continues(_by_name(exporter.get_finished_spans()), SENDER_SPAN, outgoing)
+
+
+def test_untraced_the_stored_traceparent_still_goes_onward(
+    make_app, downstream, clock, make_worker
+):
+    config = config_with([forward("sink", downstream.url + "/sink")])
+    app = make_app(config, **FAST)
+    body = json.dumps({"type": "order.paid", "id": 2}).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "X-Signature": f"sha256={hmac_hex(body, 'shop-secret-0123456789')}",
+        "Idempotency-Key": "k-2",
+        "traceparent": TRACEPARENT,
+        # A correlation id of its own: the trace is the stored traceparent's.
+        "X-Request-Id": "req-2",
+    }
+    assert (
+        app.test_client().post(f"/webhooks/{SOURCE}", data=body, headers=headers).status_code == 200
+    )
+    outgoing = _deliver(app, downstream, clock, make_worker)["traceparent"]
+    version, trace_id, parent, flags = outgoing.split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "01")
+    assert parent != SENDER_SPAN  # a new parent id: the forward is another hop
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        f"00-{TRACE_ID}-0000000000000000-01",
+        "not a traceparent",
+        f"00-{TRACE_ID.upper()}x-{SENDER_SPAN}-01",
+    ],
+)
+def test_an_invalid_traceparent_is_left_out_and_refuses_nothing(make_app, value):
+    app = make_app(config_with())
+    body = json.dumps({"type": "order.paid", "id": 3}).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "X-Signature": f"sha256={hmac_hex(body, 'shop-secret-0123456789')}",
+        "Idempotency-Key": "k-3",
+        "traceparent": value,
+    }
+    assert (
+        app.test_client().post(f"/webhooks/{SOURCE}", data=body, headers=headers).status_code == 200
+    )
+    with app.app_context():
+        assert "traceparent" not in db.session.scalars(select(Event.meta)).one()
