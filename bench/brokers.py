@@ -287,7 +287,12 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
     so that a machine that speeds up or slows down during the round moves
     the baseline with the runs it is compared with.
     """
-    if broker == "rabbitmq":
+    if broker in ("redis", "mqtt"):
+        from .brokers_streams import mqtt_times, redis_times
+
+        timer = redis_times if broker == "redis" else mqtt_times
+        times = timer(db_url, n, size, make_app, consume, _body)
+    elif broker == "rabbitmq":
         queue = RabbitQueue()
         try:
             table = {
@@ -364,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.brokers", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--broker", choices=["rabbitmq", "nats", "both"], default="both")
+    parser.add_argument(
+        "--broker", choices=["rabbitmq", "nats", "redis", "mqtt", "both"], default="both"
+    )
     parser.add_argument("--db", choices=["sqlite", "postgresql", "both"], default="both")
     parser.add_argument("--count", type=int, default=20000, help="messages per run")
     parser.add_argument("--batch", type=int, default=200, help="prefetch / fetch batch size")

@@ -35,6 +35,8 @@ from webhook_receiver.observability import metrics
 from ..conftest import CI
 from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
 from ..servers import BIN, ROOT, app_env, free_port, stop, wait_until
+from .mqtt_fixtures import mqtt_broker, mqtt_topics  # noqa: F401  (fixtures)
+from .redis_fixtures import redis_stream, redis_url  # noqa: F401  (fixtures)
 
 RABBIT_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS_URL = os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222")

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from .conftest import Queue, Stream, nats_source, rabbit_source
+from .mqtt_fixtures import MqttTopics, mqtt_source
+from .redis_fixtures import RedisStream, redis_source
 
 
 class Message(NamedTuple):
@@ -209,10 +211,128 @@ def publish_raw(url: str, subject: bytes, headers: list[tuple[bytes, bytes]], bo
         assert line == b"PONG\r\n", line
 
 
+class RedisStreams(BrokerUnderTest):
+    """A stream, its group and a dead-letter stream; keys in a ``message_id`` field.
+
+    What is unacknowledged is the group's lag (not yet read) and its
+    pending entries (read, not acknowledged).
+    """
+
+    name = "redis"
+    batches_held = 2  # one storing, one read
+
+    def __init__(self, stream: RedisStream) -> None:
+        self.stream = stream
+        self.claim_idle_seconds = 60
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        extra.setdefault("claim_idle_seconds", self.claim_idle_seconds)
+        return redis_source(self.stream, batch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.stream.publish([self._fields(m.key, m.type, m.body) for m in messages])
+
+    @staticmethod
+    def _fields(key: str | bytes | None, type_: str, body: bytes) -> dict[str, str | bytes]:
+        fields: dict[str, str | bytes] = {"type": type_, "content_type": "application/json"}
+        if key is not None:
+            fields["message_id"] = key
+        fields["body"] = body
+        return fields
+
+    def publish_malformed(self) -> None:
+        self.stream.publish([self._fields(b"m-\xff", "order", b'{"n": -1}')])
+
+    def expect_consumer_kill(self) -> None:
+        # A killed consumer's entries are claimed by the next once idle this long.
+        self.claim_idle_seconds = 2
+
+    def taken(self) -> int:
+        return int(self.stream.group()["entries-read"] or 0)
+
+    def unsettled(self) -> int:
+        return self.stream.unsettled()
+
+    def left_after_stop(self) -> int:
+        return self.stream.unsettled()
+
+    def drained(self) -> bool:
+        return self.stream.unsettled() == 0
+
+    def dead_letters(self) -> list[DeadLetter]:
+        out = []
+        for fields in self.stream.dead_letters():
+            key, reason = fields.get(b"message_id"), fields.get(b"dead_letter_reason")
+            out.append(
+                DeadLetter(
+                    key.decode(errors="replace") if key is not None else None,
+                    fields[b"body"],
+                    reason.decode() if reason is not None else None,
+                )
+            )
+        return out
+
+
+class Mqtt(BrokerUnderTest):
+    """Topics in a persistent session on the tests' Mosquitto; keys in a user property.
+
+    What is unacknowledged is what was published and not yet PUBACKed by
+    the consumer, as the broker's log counts them. Mosquitto refuses a
+    user property that is not UTF-8 (it closes the publisher's
+    connection), so the malformed message is one whose key is ambiguous:
+    its ``message-id`` given twice.
+    """
+
+    name = "mqtt"
+    batches_held = 3  # the session's Receive Maximum
+
+    def __init__(self, topics: MqttTopics) -> None:
+        self.topics = topics
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        return mqtt_source(self.topics, batch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.topics.publish(
+            [("device-1", m.body, self._properties(m.key, m.type)) for m in messages]
+        )
+
+    @staticmethod
+    def _properties(key: str | None, type_: str) -> list[tuple[str, str]]:
+        return [("type", type_), *([("message-id", key)] if key is not None else [])]
+
+    def publish_malformed(self) -> None:
+        twice = [("type", "order"), ("message-id", "m-3"), ("message-id", "m-4")]
+        self.topics.publish([("device-1", b'{"n": -1}', twice)])
+
+    def taken(self) -> int:
+        return self.topics.sent()
+
+    def unsettled(self) -> int:
+        return self.topics.published - self.topics.acked()
+
+    def left_after_stop(self) -> int:
+        return self.unsettled()
+
+    def drained(self) -> bool:
+        return self.unsettled() == 0
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [
+            DeadLetter(props.get("message-id"), payload, props.get("dead-letter-reason"))
+            for payload, props in self.topics.dead_letters()
+        ]
+
+
+KEY_ATTRIBUTE = "message-id"
+
+
 # Every broker the contract suite runs against: (its name, the fixture it is built on, its class).
 BROKERS: list[tuple[str, str, type[BrokerUnderTest]]] = [
     ("rabbitmq", "amqp_queue", RabbitMQ),
     ("nats", "jetstream", NatsJetStream),
+    ("redis", "redis_stream", RedisStreams),
+    ("mqtt", "mqtt_topics", Mqtt),
 ]
 
 

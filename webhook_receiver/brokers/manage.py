@@ -39,6 +39,8 @@ from nats.js.api import StreamConfig
 from ..config import BrokerSourceConfig, FileConfig, parse_broker_spec, subject_covers
 from ..fingerprint import JSONError, loads
 from ..outbox.ordering import resolve_pointer
+from .mqtt_setup import declare_mqtt, publish_mqtt
+from .redis_setup import declare_redis, publish_redis
 
 # A quorum queue's requeues count towards its delivery limit on RabbitMQ 4.0
 # to 4.2 (20 by default), and the consumer requeues once per back-off while
@@ -104,6 +106,10 @@ def declare_command(sources: tuple[str, ...], queue_type: str) -> None:
         say = functools.partial(_say, source.name)
         if source.provider == "rabbitmq":
             declare_rabbitmq(source, say, queue_type)
+        elif source.provider == "redis":
+            declare_redis(source, say)
+        elif source.provider == "mqtt":
+            declare_mqtt(source, say)
         else:
             asyncio.run(declare_jetstream(source, say))
 
@@ -117,7 +123,10 @@ def _say(name: str, line: str) -> None:
 @click.argument("body")
 @click.option("--key", help="The dedup key, set where the source's dedup_key reads it.")
 @click.option("--type", "event_type", help="The event type, set where event_type reads it.")
-@click.option("--subject", help="NATS: the subject (default: a filter_subject without wildcards).")
+@click.option(
+    "--subject",
+    help="NATS: the subject, MQTT: the topic (default: the one the source takes, if literal).",
+)
 @click.option("--content-type", help="Default: application/json for a JSON body, else none.")
 @with_appcontext
 def publish_command(
@@ -134,6 +143,15 @@ def publish_command(
     message = _message(source, data, key, event_type, content_type)
     if source.provider == "rabbitmq":
         line = publish_rabbitmq(source, data, message)
+    elif source.provider == "redis":
+        line = publish_redis(
+            source, data, message.headers, message.properties, message.content_type, message.shown()
+        )
+    elif source.provider == "mqtt":
+        topic = message.subject or subject
+        line = publish_mqtt(
+            source, data, message.headers, message.content_type, topic, message.shown()
+        )
     else:
         line = asyncio.run(publish_jetstream(source, data, message, subject))
     click.echo(f"{source.name}: {line}")

@@ -22,8 +22,10 @@ from flask import Flask
 
 from ..config import BrokerSourceConfig, ConfigError, FileConfig
 from .jetstream import JetStreamConsumer
+from .mqtt import MqttConsumer
 from .outage import Outage
 from .rabbitmq import RabbitConsumer
+from .redis_streams import RedisStreamConsumer
 
 log = logging.getLogger("webhook_receiver.brokers")
 
@@ -52,9 +54,13 @@ def sources_to_consume(file_config: FileConfig, names: Sequence[str]) -> list[Br
 
 # One adapter per broker, by the provider name its sources give (docs/brokers.md,
 # "Adding a broker").
-ADAPTERS: dict[str, type[RabbitConsumer | JetStreamConsumer]] = {
+ADAPTERS: dict[
+    str, type[RabbitConsumer | JetStreamConsumer | RedisStreamConsumer | MqttConsumer]
+] = {
     "rabbitmq": RabbitConsumer,
     "nats": JetStreamConsumer,
+    "redis": RedisStreamConsumer,
+    "mqtt": MqttConsumer,
 }
 
 

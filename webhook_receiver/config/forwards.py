@@ -38,6 +38,10 @@ _SCHEME_KEYS: dict[str, frozenset[str]] = {
             "ssl_ca_location",
         }
     ),
+    "redis": frozenset({"stream"}),
+    "rediss": frozenset({"stream"}),
+    "mqtt": frozenset({"topic"}),
+    "mqtts": frozenset({"topic"}),
 }
 # A NATS subject without wildcards (a forward's, a dead-letter subject).
 NATS_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
@@ -86,6 +90,9 @@ class ForwardConfig:
     key: str | None = None
     bootstrap_servers: str | None = None
     client_settings: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # redis:// forwards add an entry to a stream (XADD); mqtt:// forwards
+    # publish with QoS 1 on ``topic``.
+    stream: str | None = None
     # Standard Webhooks secrets an HTTP forward signs with (one signature each).
     signing_secrets: tuple[str, ...] = field(default=(), repr=False)
 
@@ -128,8 +135,8 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             or not re.match(r"^[a-z]+://[^/\s]+", url, re.IGNORECASE)
         ):
             raise ConfigError(
-                f"{here} url must be an http://, https://, amqp://, amqps://, nats:// "
-                "or kafka:// URL"
+                f"{here} url must be an http://, https://, amqp://, amqps://, nats://, "
+                "kafka://, redis:// or mqtt:// URL"
             )
         unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
         if unknown:
@@ -187,6 +194,21 @@ def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[st
         return {"subject": subject}
     if scheme == "kafka":
         return _kafka_transport(table, here)
+    if scheme in ("redis", "rediss"):
+        stream = table.get("stream")
+        if not isinstance(stream, str) or not stream:
+            raise ConfigError(f"{here} stream must name a Redis stream")
+        return {"stream": stream}
+    if scheme in ("mqtt", "mqtts"):
+        topic = table.get("topic")
+        if (
+            not isinstance(topic, str)
+            or not topic
+            or any(c in topic for c in "+#\x00")
+            or len(topic.encode()) > 65535
+        ):
+            raise ConfigError(f"{here} topic must be an MQTT topic name without wildcards")
+        return {"topic": topic}
     if "signing_secret" in table and "signing_secrets" in table:
         raise ConfigError(f"{here} give signing_secret or signing_secrets, not both")
     secrets = table.get("signing_secrets", [])

@@ -1,6 +1,6 @@
 """Forwards to message brokers: publish the event instead of POSTing it.
 
-One module per broker (amqp.py, jetstream.py, kafka.py), each with its
+One module per broker (amqp.py, jetstream.py, kafka.py, redis.py, mqtt.py), each with its
 ``SCHEMES`` and its ``publish(forward, message)``; ``publish`` picks the
 forward's by its URL's scheme. Every publish returns only once the broker
 confirmed it (a confirm, a PubAck, a delivery report); anything else is a
@@ -17,7 +17,7 @@ marking the delivery done publishes the same id again, which the broker
 from __future__ import annotations
 
 from ...config import ForwardConfig
-from . import amqp, jetstream, kafka
+from . import amqp, jetstream, kafka, mqtt, redis
 from .base import BrokerMessage, PublishError, PublishRefused
 
 __all__ = [
@@ -30,7 +30,9 @@ __all__ = [
 ]
 
 _BY_SCHEME = {
-    scheme: module.publish for module in (amqp, jetstream, kafka) for scheme in module.SCHEMES
+    scheme: module.publish
+    for module in (amqp, jetstream, kafka, redis, mqtt)
+    for scheme in module.SCHEMES
 }
 BROKER_SCHEMES = frozenset(_BY_SCHEME)
 

@@ -1,0 +1,211 @@
+"""The MQTT 5 consumer against the tests' Mosquitto: what the contract suite does not cover.
+
+A message's topic, user properties and QoS kept with its event; the topic
+as its type by default; a consumer killed before its PUBACKs gets the
+messages again on reconnecting (the broker sends them with DUP set), and
+each is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import uuid
+
+import pytest
+from sqlalchemy import select
+
+from webhook_receiver.config import ConfigError, ForwardConfig, parse
+from webhook_receiver.config.forwards import parse_forwards
+from webhook_receiver.extensions import db
+from webhook_receiver.models import Event
+from webhook_receiver.processing import publishers
+
+from . import worked_examples
+from .conftest import consuming, count_events, start_consume, stop, wait_until
+from .mqtt_fixtures import MqttTopics, mqtt_source
+from .running import hold_writers, key_counts, log_tail, terminate, toml
+
+SOURCE = "devices"
+
+
+def _message(n: int) -> tuple[str, bytes, list[tuple[str, str]]]:
+    return "sensor-7", json.dumps({"reading": n}).encode(), [("message-id", f"r-{n}")]
+
+
+def test_a_message_is_stored_with_its_topic_user_properties_and_qos(make_app, mqtt_topics):
+    table = mqtt_source(mqtt_topics)
+    del table["event_type"]  # the default: the topic
+    app = make_app({"sources": {SOURCE: table}})
+    level, body, props = _message(1)
+    mqtt_topics.publish([(level, body, [*props, ("X-Request-Id", "req-1"), ("site", "a")])])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        assert wait_until(lambda: mqtt_topics.acked() == 1, 10)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+        db.session.expunge(event)
+        db.session.rollback()
+    topic = f"{mqtt_topics.prefix}/sensor-7/events"
+    assert (event.dedup_key, event.event_type, event.body) == ("r-1", topic, body)
+    assert event.content_type == "application/json"
+    assert event.correlation_id == "req-1"
+    assert ["site", "a"] in event.headers and ["message-id", "r-1"] in event.headers
+    assert event.meta["topic"] == topic and event.meta["qos"] == 1
+    assert event.meta["client_id"] == mqtt_topics.client_id and event.meta["retain"] is False
+
+
+def test_a_consumer_killed_before_its_pubacks_gets_them_again_on_reconnecting(
+    make_app, db_url, tmp_path, mqtt_topics: MqttTopics
+):
+    sources = {SOURCE: mqtt_source(mqtt_topics)}
+    app = make_app({"sources": sources})
+    process, log = start_consume(db_url, toml(sources), tmp_path)
+    try:
+        assert wait_until(lambda: "consuming" in log.read_text(), 30), log_tail(log)
+        release = hold_writers(db_url)  # received, but never committed: no PUBACK
+        try:
+            mqtt_topics.publish([_message(n) for n in range(20)])
+            assert wait_until(lambda: mqtt_topics.sent() == 20, 30), mqtt_topics.broker.tail()
+            assert mqtt_topics.acked() == 0
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        finally:
+            release()
+    finally:
+        stop(process)
+    assert count_events(app) == 0
+    process, log = start_consume(db_url, toml(sources), tmp_path)
+    try:
+        assert wait_until(lambda: count_events(app) == 20, 30), log_tail(log)
+        assert wait_until(lambda: mqtt_topics.acked() == 20, 10), mqtt_topics.broker.tail()
+    finally:
+        code = terminate(process, log)
+    assert code == 0, log_tail(log)
+    # Sent again by the broker, as redeliveries, to the same session.
+    assert mqtt_topics.sent(redelivered=True) == 20
+    assert "session resumed" in log.read_text()
+    keys = key_counts(db_url)
+    assert set(keys) == {f"r-{n}" for n in range(20)} and max(keys.values()) == 1
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ({"topics": []}, "topics must be a non-empty list of MQTT topic filters"),
+        ({"topics": ["a/#/b"]}, "topics must be a non-empty list of MQTT topic filters"),
+        ({"topics": ["a/b+"]}, "topics must be a non-empty list of MQTT topic filters"),
+        ({"dead_letter_topic": "dead/+"}, "dead_letter_topic must be a topic name"),
+        ({"dead_letter_topic": "devices/dead/events"}, "is inside topics (devices/+/events)"),
+        ({"dedup_key": "header:message-id"}, "is not 'user_property:<name>'"),
+        ({"dedup_key": "topic"}, "'topic' is the event type of an MQTT source only"),
+        ({"url": "tcp://127.0.0.1:1883"}, "url must be a mqtt:// or mqtts:// URL"),
+        ({"qos": 2}, "unknown key(s) for provider mqtt: qos"),
+    ],
+)
+def test_an_mqtt_source_that_cannot_work_is_refused_when_loaded(table, problem):
+    base = {"provider": "mqtt", "url": "mqtt://127.0.0.1:1883", "topics": ["devices/+/events"]}
+    with pytest.raises(ConfigError) as refused:
+        parse({"sources": {SOURCE: {**base, **table}}}, providers=())
+    assert problem in str(refused.value)
+
+
+def test_an_mqtt_source_s_defaults():
+    table = {"provider": "mqtt", "url": "mqtt://u:secret@h", "topics": ["devices/#"]}
+    source = parse({"sources": {SOURCE: table}}, providers=()).brokers[SOURCE]
+    assert (source.dedup_key, source.event_type, source.client_id, source.batch) == (
+        "user_property:message-id",
+        "topic",
+        f"webhook-receiver-{SOURCE}",
+        100,
+    )
+    assert "secret" not in repr(source)
+
+
+def test_the_docs_worked_example_runs_as_written(make_app, mqtt_broker):
+    name, table, commands = worked_examples.example("MQTT 5")
+    prefix = f"wr-test-{uuid.uuid4().hex[:10]}"
+    swap = {
+        table["dead_letter_topic"]: f"{prefix}-dead",
+        f"'{table['client_id']}'": f"'{prefix}-consumer'",
+        "devices/": f"{prefix}/",
+    }
+    table = {
+        **table,
+        "url": mqtt_broker.url,
+        "topics": [t.replace("devices/", f"{prefix}/") for t in table["topics"]],
+        "client_id": f"{prefix}-consumer",
+        "dead_letter_topic": f"{prefix}-dead",
+    }
+    app = make_app({"sources": {name: table}})
+    for args, expected in commands:
+        if args[0] == "consume":
+            with consuming(app, name):
+                assert wait_until(lambda: count_events(app) == 1, 30)
+        else:
+            worked_examples.run(app, args, expected, swap)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+        db.session.expunge(event)
+        db.session.rollback()
+    assert (event.dedup_key, event.event_type) == ("r-1", f"{prefix}/sensor-7/events")
+    assert event.body == b'{"reading": 21.5}'
+
+
+def _forward(url: str, topic: str, timeout: float = 10) -> ForwardConfig:
+    table = {"name": "bus", "url": url, "topic": topic, "timeout_seconds": timeout}
+    [forward] = parse_forwards([table], "test")
+    return forward
+
+
+FORWARDED = publishers.BrokerMessage(
+    body=b'{"paid": true}',
+    content_type="application/json",
+    message_id="bus:stripe:evt_1",
+    correlation_id="req-1",
+    event_type="invoice.paid",
+    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
+)
+
+
+def test_a_forward_publishes_with_qos1_what_an_mqtt_source_reads_as_one_event(
+    make_app, mqtt_topics
+):
+    forward = _forward(mqtt_topics.url, f"{mqtt_topics.prefix}/bus/events")
+    publishers.publish(forward, FORWARDED)
+    publishers.publish(forward, FORWARDED)  # a worker killed before marking it done
+    table = mqtt_source(mqtt_topics, event_type="user_property:type")
+    del table["dedup_key"]  # the default: user_property:message-id
+    app = make_app({"sources": {SOURCE: table}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: mqtt_topics.acked() == 2, 30)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+        db.session.expunge(event)
+        db.session.rollback()
+    assert (event.dedup_key, event.event_type, event.body) == (
+        "bus:stripe:evt_1",
+        "invoice.paid",
+        b'{"paid": true}',
+    )
+    assert (event.content_type, event.correlation_id) == ("application/json", "req-1")
+    assert ["X-Webhook-Event-Id", "7"] in event.headers
+
+
+def test_a_forward_no_session_subscribes_to_is_a_retryable_failure(mqtt_topics):
+    forward = _forward(mqtt_topics.url, f"{mqtt_topics.prefix}-nobody/events")
+    with pytest.raises(publishers.PublishError) as failed:
+        publishers.publish(forward, FORWARDED)
+    assert "no session subscribes" in str(failed.value)
+
+
+def test_a_forward_to_a_broker_that_does_not_answer_is_a_retryable_failure():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    forward = _forward(f"mqtt://user:secret@127.0.0.1:{port}", "jobs", timeout=1)
+    with pytest.raises(publishers.PublishError) as failed:
+        publishers.publish(forward, FORWARDED)
+    assert "secret" not in str(failed.value)
