@@ -137,6 +137,8 @@ class Claim:
     lease_expires_at: datetime
     # The event's source: with ``consumer``, the target the claim occupies.
     source: str | None = None
+    # Which replay's key to send: 0 the original (see outbox/replays.py).
+    key_replay: int = 0
 
 
 def _claimable(now: datetime) -> ColumnElement[bool]:
@@ -205,12 +207,15 @@ def claim_next(
             _t.c.kind,
             _t.c.attempts,
             select(Event.source).where(Event.id == _t.c.event_id).scalar_subquery(),
+            _t.c.key_replay,
         )
     ).one_or_none()
     if row is None:
         return None
-    delivery_id, event_id, consumer, kind, attempts, source = row
-    return Claim(delivery_id, event_id, consumer, kind, attempts, token, now + lease, source)
+    delivery_id, event_id, consumer, kind, attempts, source, key_replay = row
+    return Claim(
+        delivery_id, event_id, consumer, kind, attempts, token, now + lease, source, key_replay
+    )
 
 
 def _not_busy(skip: Collection[tuple[str, str]]) -> list[ColumnElement[bool]]:
