@@ -63,6 +63,9 @@ DEFAULTS: dict[str, Any] = {
     # Deliveries one worker process runs at once; each forward takes at most
     # its ``concurrency`` of them (see docs/processing.md).
     "WORKER_THREADS": 4,
+    # Every attempt of every delivery is a row of the attempt log (docs/processing.md);
+    # false keeps only each delivery's last error, as before the log.
+    "WORKER_ATTEMPT_LOG": True,
     # PostgreSQL connections (database.init_app): a statement running longer
     # is cancelled, and answered as the database being away; 0 sets none.
     "DATABASE_STATEMENT_TIMEOUT_SECONDS": 30.0,
