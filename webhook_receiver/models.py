@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Double,
     Float,
     ForeignKey,
     Index,
@@ -306,6 +307,34 @@ class BrokerPosition(Model):
     topic: Mapped[str] = mapped_column(String(255))
     partition: Mapped[int] = mapped_column(Integer)
     next_offset: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class DeliveryTarget(Model):
+    """A forward's target (its source and consumer): its circuit and its rate, for every worker.
+
+    No row is a closed circuit that has not failed and has sent nothing
+    under a rate limit. The circuit (``closed``, ``open``, ``half_open``)
+    counts consecutive failures; ``retry_at`` ends an open circuit's
+    cool-down; the probe of a half-open one is held by ``probe_token``
+    until ``probe_expires_at``. ``next_send_at`` is the rate limit's
+    theoretical arrival time (GCRA), in seconds since the epoch, so that
+    one conditional UPDATE does its arithmetic on both databases.
+    """
+
+    __tablename__ = "delivery_targets"
+    __table_args__ = (UniqueConstraint("source", "consumer"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    source: Mapped[str] = mapped_column(String(200))
+    consumer: Mapped[str] = mapped_column(String(200))
+    circuit: Mapped[str] = mapped_column(String(20))
+    failures: Mapped[int] = mapped_column(Integer)
+    opened_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    retry_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    probe_token: Mapped[str | None] = mapped_column(String(64))
+    probe_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    next_send_at: Mapped[float | None] = mapped_column(Double)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 

@@ -12,13 +12,24 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import pointers
+from .filters import Filter, parse_filter
 from .settings import ConfigError, redact_url
 from .signing import is_standard_secret
 
 # Keys read by the processing side (forwards and ordering), on sources and clients.
 PROCESSING_KEYS = {"forward", "version", "entity"}
 CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_FORWARD_KEYS = {"name", "url", "timeout_seconds", "event_types", "max_attempts", "concurrency"}
+_FORWARD_KEYS = {
+    "name",
+    "url",
+    "timeout_seconds",
+    "event_types",
+    "max_attempts",
+    "concurrency",
+    "max_per_second",
+    "circuit_breaker",
+    "filter",
+}
 # Keys only some forward URL schemes read.
 _SCHEME_KEYS: dict[str, frozenset[str]] = {
     "http": frozenset({"signing_secret", "signing_secrets"}),
@@ -65,6 +76,14 @@ _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 @dataclass(frozen=True)
+class CircuitBreakerConfig:
+    """A forward's ``circuit_breaker``: consecutive failures that open it, and its cool-down."""
+
+    failures: int = 5
+    cool_down_seconds: float = 60
+
+
+@dataclass(frozen=True)
 class ForwardConfig:
     """One ``[[sources.<name>.forward]]`` (or ``[[clients.<name>.forward]]``) table."""
 
@@ -77,6 +96,12 @@ class ForwardConfig:
     # Deliveries of this forward one worker process runs at once: a stalled
     # target holds no more of the worker's threads than this.
     concurrency: int = 1
+    # Sends per second to the target over every worker and host (None: no limit).
+    max_per_second: float | None = None
+    # On by default; None (``circuit_breaker = false``) never opens it.
+    circuit_breaker: CircuitBreakerConfig | None = CircuitBreakerConfig()
+    # Only events whose JSON body this finds true get a delivery (None: every event).
+    filter: Filter | None = None
     # amqp:// forwards publish to an exchange with a routing key ("{event_type}"
     # in it is replaced); nats:// forwards to a JetStream subject.
     exchange: str = ""
@@ -161,6 +186,13 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
         concurrency = table.get("concurrency", 1)
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ConfigError(f"{here} concurrency must be a positive integer")
+        max_per_second = table.get("max_per_second")
+        if max_per_second is not None and (
+            not isinstance(max_per_second, int | float)
+            or isinstance(max_per_second, bool)
+            or not 0 < max_per_second <= 100_000
+        ):
+            raise ConfigError(f"{here} max_per_second must be a number above 0 (at most 100000)")
         if any(f.name == name for f in result):
             raise ConfigError(f"{where} two forwards are named {name!r}")
         result.append(
@@ -171,10 +203,30 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
                 event_types=None if event_types is None else tuple(event_types),
                 max_attempts=max_attempts,
                 concurrency=concurrency,
+                max_per_second=max_per_second,
+                circuit_breaker=parse_circuit_breaker(table.get("circuit_breaker", {}), here),
+                filter=parse_filter(table["filter"], here) if "filter" in table else None,
                 **transport,
             )
         )
     return tuple(result)
+
+
+def parse_circuit_breaker(value: Any, here: str) -> CircuitBreakerConfig | None:
+    """``circuit_breaker = { failures = 5, cool_down_seconds = 60 }`` (the defaults), or false."""
+    if value is False:
+        return None
+    if not isinstance(value, dict) or set(value) - {"failures", "cool_down_seconds"}:
+        raise ConfigError(
+            f"{here} circuit_breaker must be false or a table of failures and cool_down_seconds"
+        )
+    failures = value.get("failures", 5)
+    cool_down = value.get("cool_down_seconds", 60)
+    if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
+        raise ConfigError(f"{here} circuit_breaker.failures must be a positive integer")
+    if not isinstance(cool_down, int | float) or isinstance(cool_down, bool) or cool_down <= 0:
+        raise ConfigError(f"{here} circuit_breaker.cool_down_seconds must be a positive number")
+    return CircuitBreakerConfig(failures, cool_down)
 
 
 def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[str, Any]:
