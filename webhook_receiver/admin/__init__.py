@@ -5,7 +5,7 @@ Off (every URL a 404) unless ``ADMIN_PASSWORD`` is set.
 
 from __future__ import annotations
 
-from . import views
+from . import targets, views
 from .blueprint import bp
 
-__all__ = ["bp", "views"]
+__all__ = ["bp", "targets", "views"]

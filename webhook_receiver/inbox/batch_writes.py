@@ -119,7 +119,9 @@ def _insert_batch_deliveries(
         message = batch.messages[batch.first[key]]
         # As for one message: a new delivery is due from its event's receipt.
         deliveries += delivery_rows(
-            event_id, routes(message.source, message.event_type), message.received_at or batch.now
+            event_id,
+            routes(message.source, message.event_type, message.body),
+            message.received_at or batch.now,
         )
     if deliveries:
         conn.execute(statements.insert_deliveries, deliveries)
@@ -194,18 +196,14 @@ def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
 def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:
     """The deliveries of each message, were it new, named by its source and dedup key."""
     routes = current_routes()
-    consumers: dict[tuple[str, str | None], list[tuple[str, str]]] = {}
     columns: dict[datetime, dict[str, Any]] = {}
     wanted = []
     for message in messages:
-        route = (message.source, message.event_type)
-        if route not in consumers:
-            consumers[route] = routes(*route)
         # As for one message: a new delivery is due from its event's receipt.
         received_at = message.received_at or now
         if received_at not in columns:
             columns[received_at] = new_delivery_columns(received_at)
-        for name, kind in consumers[route]:
+        for name, kind in routes(message.source, message.event_type, message.body):
             wanted.append(
                 {
                     "source": message.source,

@@ -35,7 +35,7 @@ def add(message: Message, *, fast: bool = True) -> int | None:
     """
     statements = for_engine(db.engine)
     values = event_values(message, message.received_at or utcnow())
-    consumers = current_routes()(message.source, message.event_type)
+    consumers = current_routes()(message.source, message.event_type, message.body)
     held = HELD.get()
     if held is not None and fast:
         values["id"] = reserve_event_id(db.engine)

@@ -32,7 +32,7 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
     """
     engine = db.engine
     statements = for_engine(engine)
-    consumers = current_routes()(message.source, message.event_type)
+    consumers = current_routes()(message.source, message.event_type, message.body)
     for _ in range(3):
         values = event_values(message, message.received_at or utcnow())
         if not fast:

@@ -25,12 +25,13 @@ from .statements import CONFLICT_COLUMNS, Statements
 
 EXTENSION = "webhook_receiver.inbox"
 
-# (source, event type) -> the (name, kind) of each consumer of a new event.
-Routes = Callable[[str, str | None], list[tuple[str, str]]]
+# (source, event type, body) -> the (name, kind) of each consumer of a new
+# event (a consumer's filter reads the body).
+Routes = Callable[[str, str | None, bytes], list[tuple[str, str]]]
 
 
 def current_routes() -> Routes:
-    """The app's routes: the consumers of a new event, by its source and type."""
+    """The app's routes: the consumers of a new event, by its source, type and body."""
     routes: Routes = current_app.extensions[EXTENSION]
     return routes
 

@@ -32,6 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..extensions import db
 from ..models import Delivery
+from ..outbox import circuits
 from ..outbox.deliveries import DEAD, PENDING
 from ..problems import Problem
 from ..processing import registry
@@ -226,6 +227,7 @@ def expose() -> Response:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(_DeliveryBacklog())
+        registry.register(_Circuits())
     else:
         registry = current_app.extensions[EXTENSION].registry
     # The Accept header picks the format: Prometheus text (0.0.4 unless a
@@ -273,6 +275,43 @@ class _DeliveryBacklog(Collector):
         yield GaugeMetricFamily(*self.OLDEST, value=age)
 
 
+class _Circuits(Collector):
+    """Each forward's circuit, read from the database at each scrape: 1 open or half-open, else 0.
+
+    The worker that opens a circuit may not serve ``/metrics``: every
+    process reads the same rows, so whichever answers the scrape tells.
+    Forwards without a circuit breaker, or no longer configured, are left out.
+    """
+
+    OPEN = (
+        f"{PREFIX}_circuit_open",
+        "Whether a forward target's circuit is open or half-open (1) or closed (0).",
+    )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(*self.OPEN, labels=("source", "consumer"))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        consumers = registry.get().consumers
+        targets = [
+            (source, name)
+            for source, named in consumers.items()
+            for name, consumer in named.items()
+            if consumer.forward is not None and consumer.forward.circuit_breaker is not None
+        ]
+        try:
+            found = {(c.source, c.consumer): c for c in circuits.read_all()} if targets else {}
+        except SQLAlchemyError:
+            return  # the database away: the scrape still answers (readyz says why)
+        finally:
+            db.session.rollback()
+        family = GaugeMetricFamily(*self.OPEN, labels=("source", "consumer"))
+        for source, name in sorted(targets):
+            circuit = found.get((source, name))
+            family.add_metric([source, name], 1 if circuit is not None and circuit.is_open else 0)
+        yield family
+
+
 def watch_deliveries(app: Flask) -> None:
     """Count the worker's attempts through the processing registry's outcome hooks."""
     m: Metrics = app.extensions[EXTENSION]
@@ -290,6 +329,7 @@ def init_app(app: Flask) -> None:
     """Give the app its metrics, time its requests and serve ``/metrics``."""
     app.extensions[EXTENSION] = Metrics(CollectorRegistry(auto_describe=True))
     app.extensions[EXTENSION].registry.register(_DeliveryBacklog())
+    app.extensions[EXTENSION].registry.register(_Circuits())
     app.before_request(_start_timer)
     app.after_request(_observe)
     app.register_blueprint(bp)

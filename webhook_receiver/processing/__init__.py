@@ -23,11 +23,10 @@ def init_app(app: Flask) -> None:
     registry.init_app(app)
 
 
-def routes(app: Flask) -> Callable[[str, str | None], list[tuple[str, str]]]:
-    """Name the (consumer, kind) of each delivery a new event of a source and type gets."""
-    consumers = registry.get(app)
+def routes(app: Flask) -> Callable[[str, str | None, bytes], list[tuple[str, str]]]:
+    """Name the (consumer, kind) of each delivery a new event gets, by its source, type and body.
 
-    def route(source: str, event_type: str | None) -> list[tuple[str, str]]:
-        return [(c.name, c.kind) for c in consumers.for_event(source, event_type)]
-
-    return route
+    A consumer's ``filter`` is evaluated over the body (its JSON) only for
+    the consumers that have one.
+    """
+    return registry.get(app).route

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import CONSUMER_NAME, ConfigError
+from ..config.filters import Filter, parse_filter
 
 ATTRIBUTE = "__webhook_handlers__"
 
@@ -40,6 +41,8 @@ class HandlerSpec:
     name: str
     func: HandlerFunc
     max_attempts: int | None = None
+    # Only events whose JSON body this finds true get a delivery (None: every event).
+    filter: Filter | None = None
 
     def matches(self, source: str, event_type: str | None) -> bool:
         """Tell whether this handler consumes events of this source and type."""
@@ -52,8 +55,13 @@ def handler(
     event_type: str | None = None,
     name: str | None = None,
     max_attempts: int | None = None,
+    filter: str | None = None,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
-    """Mark a function as the handler ``name`` of ``source`` events (of ``event_type``)."""
+    """Mark a function as the handler ``name`` of ``source`` events (of ``event_type``).
+
+    ``filter`` is a JMESPath expression over the event's JSON body: only
+    events it finds true get a delivery (a bad one is a ConfigError here).
+    """
 
     def decorate(func: HandlerFunc) -> HandlerFunc:
         spec = HandlerSpec(
@@ -62,6 +70,9 @@ def handler(
             name=name or func.__name__,
             func=func,
             max_attempts=max_attempts,
+            filter=None
+            if filter is None
+            else parse_filter(filter, f"handler {name or func.__name__!r}:"),
         )
         if not CONSUMER_NAME.match(spec.name):
             raise ValueError(f"handler name {spec.name!r}: use letters, digits, '.', '_', '-'")

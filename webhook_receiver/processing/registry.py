@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from flask import Flask, current_app
 
 from ..config import ConfigError, FileConfig, ForwardConfig, OrderingConfig
+from ..config.filters import Filter, document
 from . import handlers as handlers_mod
 from .handlers import HandlerSpec
 from .outcomes import AttemptOutcome
 
 EXTENSION = "webhook_processing"
+# How many (source, event type) routes a registry keeps worked out.
+_ROUTES_KEPT = 4096
 HANDLER = "handler"
 FORWARD = "forward"
 
@@ -44,6 +47,12 @@ class Consumer:
         """How many of its deliveries one worker process runs at once (a forward says; else 1)."""
         return self.forward.concurrency if self.forward is not None else 1
 
+    @property
+    def filter(self) -> Filter | None:
+        """The consumer's filter over the event's JSON body, if it has one."""
+        spec = self.handler or self.forward
+        return spec.filter if spec else None
+
     def matches(self, event_type: str | None) -> bool:
         """Tell whether this consumer wants events of this type."""
         if self.handler is not None:
@@ -61,6 +70,11 @@ class Registry:
     ordering: dict[str, OrderingConfig] = field(default_factory=dict)
     # Called with each AttemptOutcome: the place for metrics to hook in.
     outcome_hooks: list[Callable[[AttemptOutcome], None]] = field(default_factory=list)
+    # route()'s consumers per (source, event type): those without a filter,
+    # and those with one.
+    _routes: dict[tuple[str, str | None], tuple[list[tuple[str, str]], list[Consumer]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def add(self, consumer: Consumer) -> None:
         """Add a consumer; a second one of the same name on a source is an error."""
@@ -75,6 +89,37 @@ class Registry:
     def for_event(self, source: str, event_type: str | None) -> list[Consumer]:
         """The consumers that get a delivery for a new event of this source and type."""
         return [c for c in self.consumers.get(source, {}).values() if c.matches(event_type)]
+
+    def route(self, source: str, event_type: str | None, body: bytes) -> list[tuple[str, str]]:
+        """The (name, kind) of each consumer that gets a delivery of a new event with this body.
+
+        The inbox's routes, called for every new message: a consumer's type
+        match is worked out once per source and type, and the body is parsed
+        only when a consumer of them has a filter.
+        """
+        found = self._routes.get((source, event_type))
+        if found is None:
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()  # event types are the senders' to choose
+            wanted = self.for_event(source, event_type)
+            found = self._routes[(source, event_type)] = (
+                [(c.name, c.kind) for c in wanted if c.filter is None],
+                [c for c in wanted if c.filter is not None],
+            )
+        plain, filtered = found
+        if not filtered:
+            return plain
+        value = document(body)
+        return plain + [(c.name, c.kind) for c in filtered if c.filter and c.filter.passes(value)]
+
+    def filtered_out(self, source: str, event_type: str | None, body: bytes) -> list[str]:
+        """The consumers of this source and type whose filter drops this body."""
+        value = document(body)
+        return [
+            c.name
+            for c in self.for_event(source, event_type)
+            if c.filter is not None and not c.filter.passes(value)
+        ]
 
     def find(self, source: str, name: str) -> Consumer | None:
         """The consumer ``name`` of ``source``, if it is still configured."""
