@@ -108,10 +108,12 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     from .brokers.cli import consume_command
     from .brokers.manage import brokers_group
     from .processing.cli import worker_command
+    from .processing.deliveries_cli import deliveries_group
 
     app.cli.add_command(worker_command)
     app.cli.add_command(consume_command)
     app.cli.add_command(brokers_group)
+    app.cli.add_command(deliveries_group)
     # Delivery attempts reach the metrics through the registry's outcome hooks.
     observability.metrics.watch_deliveries(app)
 
