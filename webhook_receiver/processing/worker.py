@@ -586,9 +586,10 @@ class _Slots:
             try:
                 while (claim := self._claims.get()) is not None:
                     try:
-                        worker.attempt(claim)
+                        outcome = worker.attempt(claim)
                         with self._changed:
-                            self.done += 1
+                            # Held back by a gate, it was not attempted.
+                            self.done += outcome.outcome != limits.HELD
                     except Exception as exc:
                         worker._log_failure(exc)
                     finally:
