@@ -5,7 +5,7 @@ Off (every URL a 404) unless ``ADMIN_PASSWORD`` is set.
 
 from __future__ import annotations
 
-from . import targets, views
+from . import deliveries, targets, views
 from .blueprint import bp
 
-__all__ = ["bp", "targets", "views"]
+__all__ = ["bp", "deliveries", "targets", "views"]

@@ -25,7 +25,16 @@ from ..idempotency.persistence import records
 from ..models import utcnow
 from ..observability import metrics
 from ..outbox import deliveries
-from . import auth, conflict_reviews, counts, paging, presenters, queries, targets
+from . import (
+    auth,
+    conflict_reviews,
+    counts,
+    delivery_queries,
+    paging,
+    presenters,
+    queries,
+    targets,
+)
 from .blueprint import bp
 
 log = logging.getLogger(__name__)
@@ -215,6 +224,7 @@ def event(event_id: int) -> str:
         meta=presenters.pretty_json(ev.meta) if ev.meta else "",
         idempotency_key=presenters.idempotency_key(ev.source, ev.meta),
         requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
+        attempts=delivery_queries.attempts_of([d.id for d in detail.deliveries]),
         filtered_out=targets.filtered_out(
             ev.source, ev.event_type, ev.body, {d.consumer for d in detail.deliveries}
         ),
