@@ -292,6 +292,11 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
 
         timer = redis_times if broker == "redis" else mqtt_times
         times = timer(db_url, n, size, make_app, consume, _body)
+    elif broker in ("sqs", "pubsub"):
+        from .brokers_cloud import pubsub_times, sqs_times
+
+        timer = sqs_times if broker == "sqs" else pubsub_times
+        times = timer(db_url, n, size, make_app, consume, _body)
     elif broker == "rabbitmq":
         queue = RabbitQueue()
         try:
@@ -370,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.brokers", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--broker", choices=["rabbitmq", "nats", "redis", "mqtt", "both"], default="both"
+        "--broker",
+        choices=["rabbitmq", "nats", "redis", "mqtt", "sqs", "pubsub", "both"],
+        default="both",
     )
     parser.add_argument("--db", choices=["sqlite", "postgresql", "both"], default="both")
     parser.add_argument("--count", type=int, default=20000, help="messages per run")

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
 from webhook_receiver import config as cfg
+from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
+from webhook_receiver.processing import publishers
 from webhook_receiver.webhooks.providers import PROVIDERS
 
-from .cloud_fixtures import Subscription, pubsub_source
+from . import cloud_examples
+from .cloud_fixtures import PROJECT, Subscription, pubsub_source
 from .conftest import consuming, count_events, duplicate_total, stored_keys, wait_until
 
 SOURCE = "jobs"
@@ -175,3 +179,109 @@ def test_the_issue_s_pubsub_source_names_its_subscription_and_dead_letter_topic_
         provider="pubsub", project="my-project", subscription="jobs", dead_letter_topic="jobs.dead"
     ).brokers["jobs"]
     assert dead.dead_letter_topic == "projects/my-project/topics/jobs.dead"
+
+
+def test_the_docs_worked_example_runs_as_written(make_app, pubsub_host):
+    name, table, commands = cloud_examples.example("Google Cloud Pub/Sub")
+    tag = f"wr-test-{uuid.uuid4().hex[:10]}"
+    table = {**table, "subscription": f"{tag}-receiver", "dead_letter_topic": f"{tag}.dead"}
+    swap = {"jobs.dead": f"{tag}.dead", "jobs-receiver": f"{tag}-receiver"}
+    app = make_app({"sources": {name: table}})
+    project = f"projects/{table['project']}"
+    try:
+        for args, expected in commands:
+            if args[0] == "consume":
+                with consuming(app, name):
+                    assert wait_until(lambda: count_events(app) == 1, 30)
+            else:
+                message_id = cloud_examples.run(app, args, expected, swap)
+        with app.app_context():
+            event = db.session.execute(select(Event)).scalar_one()
+        assert (event.dedup_key, event.event_type, event.body) == (
+            message_id,
+            "job.created",
+            b'{"job": 1}',
+        )
+        # Declared again, everything exists.
+        again = app.test_cli_runner().invoke(args=["brokers", "declare", name])
+        assert again.exit_code == 0, again.output
+        assert [line.rsplit(": ", 1)[1] for line in again.output.splitlines()] == [
+            "exists",
+            "exists",
+            "exists",
+        ]
+    finally:
+        from google.cloud import pubsub_v1
+
+        publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+        for path in (f"{tag}-receiver", f"{tag}.dead"):
+            subscriber.delete_subscription(subscription=f"{project}/subscriptions/{path}")
+            publisher.delete_topic(topic=f"{project}/topics/{path}")
+        subscriber.close()
+
+
+def test_publish_to_a_subscription_never_declared_is_one_line_and_exit_status_1(
+    make_app, pubsub_host
+):
+    source = pubsub_source(Subscription("wr-test-missing"))
+    app = make_app({"sources": {SOURCE: source}})
+    result = app.test_cli_runner().invoke(
+        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
+    )
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1
+    assert "does not exist: run `flask --app wsgi brokers declare jobs` first" in result.output
+
+
+FORWARDED = publishers.BrokerMessage(
+    body=b'{"paid": true}',
+    content_type="application/json",
+    message_id="bus:stripe:evt_1",
+    correlation_id="req-1",
+    event_type="invoice.paid",
+    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
+)
+
+
+def _forward(topic: str) -> Any:
+    project, name = topic.removeprefix("projects/").split("/topics/")
+    [forward] = parse_forwards([{"name": "bus", "url": f"pubsub://{project}/{name}"}], "test")
+    return forward
+
+
+def test_a_forward_publishes_a_message_that_a_pubsub_source_reads_as_one_event(
+    make_app, pubsub_subscription: Subscription
+):
+    subscription = pubsub_subscription
+    forward = _forward(subscription.topic)
+    publishers.publish(forward, FORWARDED)
+    publishers.publish(forward, FORWARDED)  # a worker killed before marking it done
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: duplicate_total(app) == 1, 30)
+        assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+    assert (event.dedup_key, event.event_type, event.body, event.content_type) == (
+        "bus:stripe:evt_1",
+        "invoice.paid",
+        b'{"paid": true}',
+        "application/json",
+    )
+    assert event.correlation_id == "req-1"
+    assert dict(event.headers)["X-Webhook-Event-Id"] == "7"
+
+
+def test_a_forward_to_a_topic_that_does_not_exist_is_retried(pubsub_host):
+    forward = _forward(f"projects/{PROJECT}/topics/wr-test-missing-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(publishers.PublishError) as failed:
+        publishers.publish(forward, FORWARDED)
+    assert not isinstance(failed.value, publishers.PublishRefused)
+
+
+@pytest.mark.parametrize(
+    "url", ["pubsub://my-project", "pubsub://My_Project/jobs", "pubsub://my-project/a/b"]
+)
+def test_a_wrong_pubsub_forward_is_refused(url):
+    with pytest.raises(cfg.ConfigError, match="pubsub://<project>/<topic>"):
+        parse_forwards([{"name": "bus", "url": url}], "test")

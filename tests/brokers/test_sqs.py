@@ -6,19 +6,24 @@ contract suite (test_contract.py) holds it to every broker's promises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
 from webhook_receiver import config as cfg
+from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
+from webhook_receiver.processing import publishers
 from webhook_receiver.webhooks.providers import PROVIDERS
 
+from . import cloud_examples
 from .cloud_fixtures import SqsQueue, sqs_source
 from .conftest import consuming, count_events, dead_letter_count, duplicate_total, wait_until
 from .running import hold_writers
@@ -202,3 +207,146 @@ def test_the_issue_s_sqs_source_reads_its_region_from_the_url():
         "message_id",
     )
     assert source.endpoint_url is None and source.dead_letter_queue_url is None
+
+
+def test_the_docs_worked_example_runs_as_written(make_app, sqs_endpoint):
+    name, table, commands = cloud_examples.example("Amazon SQS")
+    queue = SqsQueue(sqs_endpoint, f"wr-test-{uuid.uuid4().hex[:10]}")
+    account = f"{sqs_endpoint}/123456789012"
+    table = {
+        **table,
+        "queue_url": f"{account}/{queue.name}",
+        "dead_letter_queue_url": f"{account}/{queue.dead}",
+        "endpoint_url": sqs_endpoint,
+    }
+    queue.url, queue.dead_url = table["queue_url"], table["dead_letter_queue_url"]
+    swap = {"'jobs-dead'": f"'{queue.dead}'", "'jobs'": f"'{queue.name}'"}
+    app = make_app({"sources": {name: table}})
+    try:
+        for args, expected in commands:
+            if args[0] == "consume":
+                with consuming(app, name):
+                    assert wait_until(lambda: count_events(app) == 1, 30)
+            else:
+                message_id = cloud_examples.run(app, args, expected, swap)
+        with app.app_context():
+            event = db.session.execute(select(Event)).scalar_one()
+        assert (event.dedup_key, event.event_type, event.body) == (
+            message_id,
+            "job.created",
+            b'{"job": 1}',
+        )
+        assert queue.counts() == (0, 0)
+    finally:
+        queue.delete()
+
+
+def test_publish_refuses_a_key_where_sqs_gives_the_message_its_id(make_app, sqs_queue):
+    source = sqs_source(sqs_queue)
+    del source["dedup_key"]
+    app = make_app({"sources": {SOURCE: source}})
+    result = app.test_cli_runner().invoke(
+        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
+    )
+    assert result.exit_code == 2
+    assert "publish without --key" in result.output
+    assert sqs_queue.counts() == (0, 0)
+
+
+def test_publish_to_a_queue_never_declared_is_one_line_and_exit_status_1(make_app, sqs_queue):
+    source = sqs_source(sqs_queue, queue_url=sqs_queue.url + "-missing")
+    app = make_app({"sources": {SOURCE: source}})
+    result = app.test_cli_runner().invoke(
+        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
+    )
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1
+    assert "does not exist: run `flask --app wsgi brokers declare jobs` first" in result.output
+
+
+FORWARDED = publishers.BrokerMessage(
+    body=b'{"paid": true}',
+    content_type="application/json",
+    message_id="bus:stripe:evt_1",
+    correlation_id="req-1",
+    event_type="invoice.paid",
+    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
+)
+
+
+def _forward(endpoint: str, queue_url: str) -> Any:
+    path = queue_url.removeprefix(endpoint)
+    table = {"name": "bus", "url": f"sqs://sqs.eu-west-1.amazonaws.com{path}"}
+    [forward] = parse_forwards([{**table, "endpoint_url": endpoint}], "test")
+    return forward
+
+
+def test_a_forward_sends_a_message_that_an_sqs_source_reads_as_one_event(make_app, sqs_queue):
+    forward = _forward(sqs_queue.endpoint, sqs_queue.url)
+    publishers.publish(forward, FORWARDED)
+    publishers.publish(forward, FORWARDED)  # a worker killed before marking it done
+    assert sqs_queue.counts() == (2, 0)
+    source = sqs_source(sqs_queue)
+    del source["dedup_key"], source["event_type"]
+    table = {**source, "dedup_key": "attribute:message-id", "event_type": "attribute:type"}
+    app = make_app({"sources": {SOURCE: table}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: duplicate_total(app) == 1, 30)
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 10)
+    with app.app_context():
+        event = db.session.execute(select(Event)).scalar_one()
+    assert (event.dedup_key, event.event_type, event.body, event.content_type) == (
+        "bus:stripe:evt_1",
+        "invoice.paid",
+        b'{"paid": true}',
+        "application/json",
+    )
+    assert event.correlation_id == "req-1"
+    assert dict(event.headers)["X-Webhook-Event-Id"] == "7"
+
+
+def test_a_forward_to_a_fifo_queue_is_sent_once_within_its_deduplication_window(sqs_endpoint):
+    queue = SqsQueue(sqs_endpoint, f"wr-test-fifo-{uuid.uuid4().hex[:8]}", fifo=True)
+    queue.create()
+    try:
+        forward = _forward(sqs_endpoint, queue.url)
+        long_key = FORWARDED.message_id + ":" + "k" * 200  # past SQS's 128: its SHA-256
+        for message_id in (FORWARDED.message_id, FORWARDED.message_id, long_key, long_key):
+            publishers.publish(forward, dataclasses.replace(FORWARDED, message_id=message_id))
+        messages = queue.receive_all(queue.url)
+        assert [m["MessageAttributes"]["message-id"]["StringValue"] for m in messages] == [
+            FORWARDED.message_id,
+            long_key,
+        ]
+        assert {m["Attributes"]["MessageGroupId"] for m in messages} == {"stripe"}
+    finally:
+        queue.delete()
+
+
+def test_a_forward_sqs_cannot_take_goes_dead_and_one_it_cannot_reach_is_retried(sqs_queue):
+    forward = _forward(sqs_queue.endpoint, sqs_queue.url)
+    with pytest.raises(publishers.PublishRefused):
+        publishers.publish(forward, dataclasses.replace(FORWARDED, body=b"\xff\xfe"))
+    missing = _forward(sqs_queue.endpoint, sqs_queue.url + "-missing")
+    with pytest.raises(publishers.PublishError) as failed:
+        publishers.publish(missing, FORWARDED)
+    assert not isinstance(failed.value, publishers.PublishRefused)
+    assert sqs_queue.counts() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ({"url": "sqs://sqs.eu-west-1.amazonaws.com/jobs"}, "sqs://<host>/<account>/<queue>"),
+        ({"url": "sqs://127.0.0.1:4566/1/jobs"}, "region must be an AWS region"),
+        (
+            {"url": URL.replace("https", "sqs"), "endpoint_url": "127.0.0.1"},
+            "endpoint_url must be",
+        ),
+        ({"url": URL.replace("https", "sqs"), "stream": "x"}, "unknown key(s): stream"),
+    ],
+)
+def test_a_wrong_sqs_forward_is_refused(table, problem):
+    with pytest.raises(cfg.ConfigError) as refused:
+        parse_forwards([{"name": "bus", **table}], "test")
+    assert problem in str(refused.value)

@@ -39,6 +39,7 @@ from nats.js.api import StreamConfig
 from ..config import BrokerSourceConfig, FileConfig, parse_broker_spec, subject_covers
 from ..fingerprint import JSONError, loads
 from ..outbox.ordering import resolve_pointer
+from .cloud_setup import declare_pubsub, declare_sqs, publish_pubsub, publish_sqs
 from .mqtt_setup import declare_mqtt, publish_mqtt
 from .redis_setup import declare_redis, publish_redis
 
@@ -110,6 +111,10 @@ def declare_command(sources: tuple[str, ...], queue_type: str) -> None:
             declare_redis(source, say)
         elif source.provider == "mqtt":
             declare_mqtt(source, say)
+        elif source.provider == "sqs":
+            declare_sqs(source, say)
+        elif source.provider == "pubsub":
+            declare_pubsub(source, say)
         else:
             asyncio.run(declare_jetstream(source, say))
 
@@ -140,6 +145,10 @@ def publish_command(
     """Publish BODY to a broker source, carrying KEY and TYPE where its specs read them."""
     (source,) = _chosen((source_name,))
     data = body.encode()
+    cloud = {"sqs": publish_sqs, "pubsub": publish_pubsub}.get(source.provider)
+    if cloud is not None:  # a message_id key is the broker's to give: their own placing
+        click.echo(f"{source.name}: {cloud(source, data, key, event_type, content_type)}")
+        return
     message = _message(source, data, key, event_type, content_type)
     if source.provider == "rabbitmq":
         line = publish_rabbitmq(source, data, message)

@@ -1,8 +1,9 @@
 """The Google Cloud Pub/Sub consumer: google-cloud-pubsub's pull, acknowledge after the commit.
 
-Each ``pull`` takes up to ``batch`` messages; the inbox stores them in one
-transaction, in a second thread, while this one pulls the next batch; only
-then is each message settled: acknowledged when new or a duplicate; a
+A batch is up to ``batch`` messages, pulled while each pull comes back at
+least half full; the inbox stores it in one transaction, and only then is
+each message settled (:mod:`.pulled`: receiving, storing and settling
+overlap, a thread each): acknowledged when new or a duplicate; a
 conflict or a message that cannot be stored is published to
 ``dead_letter_topic`` (data and attributes unchanged, plus a
 ``dead-letter-reason`` attribute) and, once the publish is confirmed,
@@ -26,10 +27,8 @@ maximum before they came back.
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC
 from typing import Any
 
 import google.api_core.exceptions as api_exceptions
@@ -40,11 +39,14 @@ from . import batch
 from .identify import BrokerMessage, exact_text
 from .leases import Leases
 from .outage import SourceNotReady
+from .pulled import PulledConsumer
 
 log = logging.getLogger(__name__)
 
 # How long one pull waits for messages; the stop flag is looked at between pulls.
 PULL_WAIT_SECONDS = 1.0
+# How long a pull that fills a batch up waits (a backlog answers at once).
+FOLLOW_UP_WAIT_SECONDS = 0.2
 # The attribute a dead letter carries its reason in.
 DEAD_LETTER_REASON = "dead-letter-reason"
 # How long a message whose dead-letter copy could not be published waits
@@ -55,12 +57,18 @@ PUBLISH_TIMEOUT_SECONDS = 10.0
 # Ack ids per acknowledge or deadline request (each well under the request limit).
 PER_REQUEST = 500
 _ERRORS = (api_exceptions.GoogleAPIError, OSError)
-# One received message as the client hands it over (a ReceivedMessage).
+# One received message, as its protocol buffer (google.pubsub.v1.ReceivedMessage).
 Raw = Any
 
 
-class PubSubConsumer(batch.Consumer):
+class PubSubConsumer(PulledConsumer):
     """Consume one Pub/Sub subscription into the inbox until ``stop`` is set."""
+
+    # The session's clients (thread-safe: the three stages share them), and
+    # whether the subscription delivers exactly once.
+    _subscriber: Any = None
+    _publisher: Any = None
+    _exactly_once = False
 
     def run(self) -> None:
         """Consume until stopped; back off through outages and a missing subscription."""
@@ -96,14 +104,12 @@ class PubSubConsumer(batch.Consumer):
             )
             self.not_ready.recovered()
             self.broker.recovered()
-            leases = Leases(
-                self.source.name,
-                subscription.ack_deadline_seconds or 10,
-                lambda raws, seconds: self._deadline(subscriber, raws, seconds),
-                "ack deadline",
-            )
+            self._subscriber, self._publisher = subscriber, publisher
+            self._exactly_once = exactly_once
+            deadline = subscription.ack_deadline_seconds or 10
+            leases = Leases(self.source.name, deadline, self.give_back, "ack deadline")
             try:
-                self._consume(subscriber, publisher, leases, exactly_once)
+                self.pipeline(leases)
             finally:
                 leases.close()
         finally:
@@ -120,85 +126,54 @@ class PubSubConsumer(batch.Consumer):
                 f"create it (flask --app wsgi brokers declare {self.source.name})"
             ) from exc
 
-    def _consume(self, subscriber: Any, publisher: Any, leases: Leases, exactly_once: bool) -> None:
-        # This thread pulls a batch while a second stores and settles the one
-        # before it; batches are settled one at a time, in order.
-        inflight: Future[None] | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
+    def receive(self) -> list[Raw]:
+        """Up to ``batch`` messages: pulls while each comes back at least half full."""
+        raws: list[Raw] = []
+        wait = PULL_WAIT_SECONDS
+        while len(raws) < self.source.batch:
+            want = self.source.batch - len(raws)
             try:
-                while not self.stop.is_set():
-                    since = time.monotonic()
-                    raws = self._pull(subscriber)
-                    ticket = leases.hold(raws, since) if raws else None
-                    if inflight is not None:
-                        inflight.result()
-                        inflight = None
-                    if ticket is not None:
-                        inflight = pool.submit(
-                            self._flush, subscriber, publisher, leases, raws, ticket, exactly_once
-                        )
-            finally:
-                # Stopping or not, the batch in hand is committed and settled first.
-                if inflight is not None:
-                    inflight.result()
+                response = self._subscriber.pull(
+                    subscription=self.source.subscription,
+                    max_messages=want,
+                    timeout=wait,
+                    retry=None,
+                )
+            except api_exceptions.DeadlineExceeded:
+                break  # nothing (more) came within the wait
+            # The protocol buffers themselves: proto-plus's wrappers cost more
+            # to read than the rest of a message's identification.
+            got = type(response).pb(response).received_messages
+            raws += got
+            # A pull may return fewer than asked with more waiting (the
+            # emulator returns at most 100): a half-full one suggests a backlog.
+            if len(got) * 2 < want or self.stop.is_set():
+                break
+            wait = FOLLOW_UP_WAIT_SECONDS
+        return raws
 
-    def _pull(self, subscriber: Any) -> list[Raw]:
-        try:
-            response = subscriber.pull(
+    def give_back(self, raws: Sequence[Raw], seconds: int) -> None:
+        """Let Pub/Sub redeliver ``raws`` in ``seconds`` (their ack deadline from now)."""
+        for start in range(0, len(raws), PER_REQUEST):
+            self._subscriber.modify_ack_deadline(
                 subscription=self.source.subscription,
-                max_messages=self.source.batch,
-                timeout=PULL_WAIT_SECONDS,
-                retry=None,
+                ack_ids=[raw.ack_id for raw in raws[start : start + PER_REQUEST]],
+                ack_deadline_seconds=seconds,
             )
-        except api_exceptions.DeadlineExceeded:
-            return []  # nothing came within the wait
-        return list(response.received_messages)
 
-    def _flush(
-        self,
-        subscriber: Any,
-        publisher: Any,
-        leases: Leases,
-        raws: list[Raw],
-        ticket: int,
-        exactly_once: bool,
-    ) -> None:
-        try:
-            prepared = self.prepare(self.source, raws, _reader_of(self.source))
-            with self.app.app_context():
-                verdicts = self.store(self.source, prepared)
-        except batch.DatabaseUnavailable as exc:
-            # Nothing committed, nothing acknowledged: the batch comes back
-            # once the back-off has passed.
-            delay = self.database.failed(exc)
-            leases.release(ticket)
-            self._deadline(subscriber, raws, max(1, math.ceil(delay)))
-            self.stop.wait(delay)
-            return
-        except BaseException:
-            leases.release(ticket)
-            raise
-        self.database.recovered()
-        try:
-            self._settle(subscriber, publisher, raws, verdicts, exactly_once)
-        finally:
-            leases.release(ticket)
+    def reader(self) -> Any:
+        """The function that turns one of the source's messages into a BrokerMessage."""
+        return _reader_of(self.source)
 
-    def _settle(
-        self,
-        subscriber: Any,
-        publisher: Any,
-        raws: list[Raw],
-        verdicts: list[batch.Verdict],
-        exactly_once: bool,
-    ) -> None:
+    def settle(self, raws: list[Raw], verdicts: list[batch.Verdict]) -> None:
+        """Acknowledge the stored messages; dead-letter (or nack) the others."""
         done: list[Raw] = []
         dead: list[tuple[Raw, batch.Verdict]] = []
         given_back: list[Raw] = []
         for raw, verdict in zip(raws, verdicts, strict=True):
             if verdict.action == batch.ACK:
                 done.append(raw)
-            elif publisher is not None:
+            elif self._publisher is not None:
                 dead.append((raw, verdict))
             else:
                 given_back.append(raw)
@@ -210,25 +185,25 @@ class PubSubConsumer(batch.Consumer):
                     verdict.detail,
                     extra={"source": self.source.name, "reason": verdict.reason},
                 )
-        sent, failed = self._dead_letter(publisher, dead)
+        sent, failed = self._dead_letter(dead)
         try:
-            self._acknowledge(subscriber, done + [raw for raw, _ in sent], exactly_once)
+            self._acknowledge(done + [raw for raw, _ in sent])
         finally:
             # Those published before a lost connection are dead-lettered all the same.
             self.dead_lettered([verdict for _, verdict in sent])
         if given_back:
-            self._deadline(subscriber, given_back, 0)
+            self.give_back(given_back, 0)
         if failed:
-            self._deadline(subscriber, failed, DEAD_LETTER_RETRY_SECONDS)
+            self.give_back(failed, DEAD_LETTER_RETRY_SECONDS)
         self.settled += len(raws) - len(failed) - len(given_back)
 
-    def _acknowledge(self, subscriber: Any, raws: Sequence[Raw], exactly_once: bool) -> None:
+    def _acknowledge(self, raws: Sequence[Raw]) -> None:
         for start in range(0, len(raws), PER_REQUEST):
             ack_ids = [raw.ack_id for raw in raws[start : start + PER_REQUEST]]
             try:
-                subscriber.acknowledge(subscription=self.source.subscription, ack_ids=ack_ids)
+                self._subscriber.acknowledge(subscription=self.source.subscription, ack_ids=ack_ids)
             except api_exceptions.GoogleAPICallError as exc:
-                if not exactly_once:
+                if not self._exactly_once:
                     raise
                 # Exactly-once delivery says which acks failed (an expired ack
                 # id): those messages come back and are duplicates then.
@@ -241,16 +216,8 @@ class PubSubConsumer(batch.Consumer):
                     extra={"source": self.source.name},
                 )
 
-    def _deadline(self, subscriber: Any, raws: Sequence[Raw], seconds: int) -> None:
-        for start in range(0, len(raws), PER_REQUEST):
-            subscriber.modify_ack_deadline(
-                subscription=self.source.subscription,
-                ack_ids=[raw.ack_id for raw in raws[start : start + PER_REQUEST]],
-                ack_deadline_seconds=seconds,
-            )
-
     def _dead_letter(
-        self, publisher: Any, dead: list[tuple[Raw, batch.Verdict]]
+        self, dead: list[tuple[Raw, batch.Verdict]]
     ) -> tuple[list[tuple[Raw, batch.Verdict]], list[Raw]]:
         """Publish copies to dead_letter_topic: (those confirmed, those whose copy failed)."""
         if not dead:
@@ -260,7 +227,7 @@ class PubSubConsumer(batch.Consumer):
         for raw, verdict in dead:
             attributes = dict(raw.message.attributes)
             attributes[DEAD_LETTER_REASON] = verdict.reason or "unknown"
-            futures.append(publisher.publish(topic, raw.message.data, **attributes))
+            futures.append(self._publisher.publish(topic, raw.message.data, **attributes))
         sent: list[tuple[Raw, batch.Verdict]] = []
         failed: list[Raw] = []
         for (raw, verdict), future in zip(dead, futures, strict=True):
@@ -296,7 +263,7 @@ def _reader_of(source: BrokerSourceConfig) -> Any:
             "broker": "pubsub",
             "subscription": source.subscription,
             "message_id": message.message_id,
-            "publish_time": message.publish_time.isoformat(),
+            "publish_time": message.publish_time.ToDatetime(UTC).isoformat(),
         }
         if message.ordering_key:
             meta["ordering_key"] = message.ordering_key

@@ -2,28 +2,25 @@
 
 A batch is up to ``batch`` messages, received 10 at a time (SQS's most per
 receive): a long poll for the first, then as many more as the queue hands
-over at once. The inbox stores it in one transaction, in a second thread,
-while this one receives the next batch; only then is each message settled:
-deleted (``DeleteMessageBatch``) when new or a duplicate; a conflict or a
-message that cannot be stored is sent to ``dead_letter_queue_url`` (body
-and attributes unchanged, plus a ``dead-letter-reason`` attribute) and
-deleted, or, without one, left to the queue's redrive policy
-(``maxReceiveCount``) and logged. Every message in hand has its visibility
-extended past half the queue's timeout (:mod:`.leases`), so a slow store
-never lets it reappear. The database away: the batch's visibility is set
-to the back-off, nothing is deleted, and the consumer waits. Credentials
-come from the standard AWS chain; a connection error reconnects with
-back-off, and what was not deleted comes back and is recognised as
-duplicates.
+over at once. The inbox stores it in one transaction, and only then is
+each message settled (:mod:`.pulled`: receiving, storing and settling
+overlap, a thread each): deleted (``DeleteMessageBatch``) when new or a
+duplicate; a conflict or a message that cannot be stored is sent to
+``dead_letter_queue_url`` (body and attributes unchanged, plus a
+``dead-letter-reason`` attribute) and deleted, or, without one, left to
+the queue's redrive policy (``maxReceiveCount``) and logged. Every
+message in hand has its visibility extended past half the queue's timeout
+(:mod:`.leases`), so a slow store never lets it reappear. The database
+away: the batch's visibility is set to the back-off, nothing is deleted,
+and the consumer waits. Credentials come from the standard AWS chain; a
+connection error reconnects with back-off, and what was not deleted comes
+back and is recognised as duplicates.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import boto3
@@ -35,6 +32,7 @@ from . import batch
 from .identify import BrokerMessage
 from .leases import Leases
 from .outage import SourceNotReady
+from .pulled import PulledConsumer
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +57,11 @@ _NO_QUEUE = frozenset(
 Raw = dict[str, Any]
 
 
-class SqsConsumer(batch.Consumer):
+class SqsConsumer(PulledConsumer):
     """Consume one SQS queue (standard or FIFO) into the inbox until ``stop`` is set."""
+
+    # The session's boto3 client (thread-safe: the three stages share it).
+    _sqs: Any = None
 
     def run(self) -> None:
         """Consume until stopped; back off through outages and a missing queue."""
@@ -107,14 +108,10 @@ class SqsConsumer(batch.Consumer):
         )
         self.not_ready.recovered()
         self.broker.recovered()
-        leases = Leases(
-            self.source.name,
-            visibility,
-            lambda raws, seconds: _change_visibility(client, self.source.url, raws, seconds),
-            "visibility timeout",
-        )
+        self._sqs = client
+        leases = Leases(self.source.name, visibility, self.give_back, "visibility timeout")
         try:
-            self._consume(client, leases)
+            self.pipeline(leases)
         finally:
             leases.close()
 
@@ -132,33 +129,13 @@ class SqsConsumer(batch.Consumer):
             raise
         return dict(response.get("Attributes") or {})
 
-    def _consume(self, client: Any, leases: Leases) -> None:
-        # This thread receives a batch while a second stores and settles the
-        # one before it; batches are settled one at a time, in order.
-        inflight: Future[None] | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
-            try:
-                while not self.stop.is_set():
-                    since = time.monotonic()
-                    raws = self._receive(client)
-                    ticket = leases.hold(raws, since) if raws else None
-                    if inflight is not None:
-                        inflight.result()
-                        inflight = None
-                    if ticket is not None:
-                        inflight = pool.submit(self._flush, client, leases, raws, ticket)
-            finally:
-                # Stopping or not, the batch in hand is committed and settled first.
-                if inflight is not None:
-                    inflight.result()
-
-    def _receive(self, client: Any) -> list[Raw]:
+    def receive(self) -> list[Raw]:
         """Up to ``batch`` messages: one long poll, then what the queue hands over at once."""
         raws: list[Raw] = []
         wait = RECEIVE_WAIT_SECONDS
         while len(raws) < self.source.batch:
             want = min(PER_CALL, self.source.batch - len(raws))
-            got = client.receive_message(
+            got = self._sqs.receive_message(
                 QueueUrl=self.source.url,
                 MaxNumberOfMessages=want,
                 WaitTimeSeconds=wait,
@@ -171,29 +148,17 @@ class SqsConsumer(batch.Consumer):
             wait = 0
         return raws
 
-    def _flush(self, client: Any, leases: Leases, raws: list[Raw], ticket: int) -> None:
-        try:
-            prepared = self.prepare(self.source, raws, _reader_of(self.source))
-            with self.app.app_context():
-                verdicts = self.store(self.source, prepared)
-        except batch.DatabaseUnavailable as exc:
-            # Nothing committed, nothing deleted: hidden for the back-off,
-            # the batch comes back once it has passed.
-            delay = self.database.failed(exc)
-            leases.release(ticket)
-            _change_visibility(client, self.source.url, raws, max(1, math.ceil(delay)))
-            self.stop.wait(delay)
-            return
-        except BaseException:
-            leases.release(ticket)
-            raise
-        self.database.recovered()
-        try:
-            self._settle(client, raws, verdicts)
-        finally:
-            leases.release(ticket)
+    def give_back(self, raws: Sequence[Raw], seconds: int) -> None:
+        """Hide ``raws`` for ``seconds`` more (their visibility timeout from now)."""
+        _change_visibility(self._sqs, self.source.url, raws, seconds)
 
-    def _settle(self, client: Any, raws: list[Raw], verdicts: list[batch.Verdict]) -> None:
+    def reader(self) -> Any:
+        """The function that turns one of the source's raw messages into a BrokerMessage."""
+        return _reader_of(self.source)
+
+    def settle(self, raws: list[Raw], verdicts: list[batch.Verdict]) -> None:
+        """Delete the stored messages; dead-letter the others (or leave them to the redrive)."""
+        client = self._sqs
         done: list[Raw] = []
         dead: list[tuple[Raw, batch.Verdict]] = []
         left: list[batch.Verdict] = []
@@ -211,7 +176,7 @@ class SqsConsumer(batch.Consumer):
             # Those sent before a lost connection are dead-lettered all the same.
             self.dead_lettered([verdict for _, verdict in sent])
         if failed:
-            _change_visibility(client, self.source.url, failed, DEAD_LETTER_RETRY_SECONDS)
+            self.give_back(failed, DEAD_LETTER_RETRY_SECONDS)
         for verdict in left:
             log.warning(
                 "source %s: message not stored (%s: %s); left to the queue's redrive policy",

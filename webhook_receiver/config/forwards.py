@@ -53,6 +53,8 @@ _SCHEME_KEYS: dict[str, frozenset[str]] = {
     "rediss": frozenset({"stream"}),
     "mqtt": frozenset({"topic"}),
     "mqtts": frozenset({"topic"}),
+    "sqs": frozenset({"region", "endpoint_url"}),
+    "pubsub": frozenset(),
 }
 # A NATS subject without wildcards (a forward's, a dead-letter subject).
 NATS_SUBJECT = re.compile(r"^[^\s*>.]+(\.[^\s*>.]+)*$")
@@ -118,6 +120,11 @@ class ForwardConfig:
     # redis:// forwards add an entry to a stream (XADD); mqtt:// forwards
     # publish with QoS 1 on ``topic``.
     stream: str | None = None
+    # sqs:// forwards send to the queue the URL names (sqs://<host>/<account>/<name>),
+    # through ``endpoint_url`` when set; pubsub:// ones publish to
+    # pubsub://<project>/<topic>. SQS's region is ``region``.
+    region: str | None = None
+    endpoint_url: str | None = None
     # Standard Webhooks secrets an HTTP forward signs with (one signature each).
     signing_secrets: tuple[str, ...] = field(default=(), repr=False)
 
@@ -161,7 +168,7 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
         ):
             raise ConfigError(
                 f"{here} url must be an http://, https://, amqp://, amqps://, nats://, "
-                "kafka://, redis:// or mqtt:// URL"
+                "kafka://, redis://, mqtt://, sqs:// or pubsub:// URL"
             )
         unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
         if unknown:
@@ -261,6 +268,8 @@ def _forward_transport(table: dict[str, Any], scheme: str, here: str) -> dict[st
         ):
             raise ConfigError(f"{here} topic must be an MQTT topic name without wildcards")
         return {"topic": topic}
+    if scheme in ("sqs", "pubsub"):
+        return cloud_queue_transport(table, scheme, here)
     if "signing_secret" in table and "signing_secrets" in table:
         raise ConfigError(f"{here} give signing_secret or signing_secrets, not both")
     secrets = table.get("signing_secrets", [])
@@ -388,3 +397,36 @@ def _json_pointer(key: str, value: Any, where: str) -> str:
     except pointers.PointerError as exc:
         raise ConfigError(f"{where} {key}: {exc}") from exc
     return pointer
+
+
+# An SQS forward's URL: sqs://<host>/<account>/<queue> (a FIFO queue's ends in .fifo).
+_SQS_FORWARD = re.compile(r"^sqs://[^/\s@]+/[0-9A-Za-z_-]+/[A-Za-z0-9_-]{1,80}(\.fifo)?$")
+# A Pub/Sub forward's URL: pubsub://<project>/<topic>.
+_PUBSUB_FORWARD = re.compile(
+    r"^pubsub://[a-z][a-z0-9:.-]{0,98}[a-z0-9]/[A-Za-z][A-Za-z0-9._~+%-]{2,254}$"
+)
+_AWS_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]+$")
+_SQS_HOST_REGION = re.compile(r"^sqs\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?$")
+
+
+def cloud_queue_transport(table: dict[str, Any], scheme: str, here: str) -> dict[str, Any]:
+    """An sqs:// forward's region and endpoint, checked with its URL; a pubsub:// one's URL."""
+    url = table["url"]
+    if scheme == "pubsub":
+        if not _PUBSUB_FORWARD.match(url):
+            raise ConfigError(f"{here} url must be pubsub://<project>/<topic>")
+        return {}
+    if not _SQS_FORWARD.match(url):
+        raise ConfigError(f"{here} url must be sqs://<host>/<account>/<queue>")
+    endpoint = table.get("endpoint_url") or None
+    if endpoint is not None and (
+        not isinstance(endpoint, str) or not re.match(r"^https?://[^/\s@]+/?$", endpoint)
+    ):
+        raise ConfigError(f"{here} endpoint_url must be an http:// or https:// URL (no path)")
+    region = table.get("region")
+    if region is None:
+        found = _SQS_HOST_REGION.match(url.removeprefix("sqs://").partition("/")[0])
+        region = found.group(1) if found else None
+    if not isinstance(region, str) or not _AWS_REGION.match(region):
+        raise ConfigError(f"{here} region must be an AWS region (eu-west-1)")
+    return {"region": region, "endpoint_url": endpoint}

@@ -1,8 +1,8 @@
 """Forwards to message brokers: publish the event instead of POSTing it.
 
-One module per broker (amqp.py, jetstream.py, kafka.py, redis.py, mqtt.py), each with its
-``SCHEMES`` and its ``publish(forward, message)``; ``publish`` picks the
-forward's by its URL's scheme. Every publish returns only once the broker
+One module per broker (amqp.py, jetstream.py, kafka.py, redis.py, mqtt.py, sqs.py,
+pubsub.py), each with its ``SCHEMES`` and its ``publish(forward, message)``;
+``publish`` picks the forward's by its URL's scheme. Every publish returns only once the broker
 confirmed it (a confirm, a PubAck, a delivery report); anything else is a
 ``PublishError`` and the delivery is retried, or a ``PublishRefused`` and it
 goes dead at once.
@@ -17,7 +17,7 @@ marking the delivery done publishes the same id again, which the broker
 from __future__ import annotations
 
 from ...config import ForwardConfig
-from . import amqp, jetstream, kafka, mqtt, redis
+from . import amqp, jetstream, kafka, mqtt, pubsub, redis, sqs
 from .base import BrokerMessage, PublishError, PublishRefused
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
 
 _BY_SCHEME = {
     scheme: module.publish
-    for module in (amqp, jetstream, kafka, redis, mqtt)
+    for module in (amqp, jetstream, kafka, redis, mqtt, sqs, pubsub)
     for scheme in module.SCHEMES
 }
 BROKER_SCHEMES = frozenset(_BY_SCHEME)

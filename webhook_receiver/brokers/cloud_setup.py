@@ -1,0 +1,296 @@
+"""``flask brokers declare`` and ``publish`` for SQS and Pub/Sub sources.
+
+``declare`` makes, idempotently, what the source names: on SQS its
+dead-letter queue and its queue (FIFO ones when the name ends in
+``.fifo``), with no redrive policy of their own (the consumer dead-letters
+what it cannot store; a ``maxReceiveCount`` would move messages never
+stored past a long database outage); on Pub/Sub the dead-letter topic and
+a subscription of the same name on it (Pub/Sub keeps no message a topic
+has no subscription for), then the subscription, on a topic of its name
+when it does not exist yet.
+
+``publish`` sends one message whose attributes (or body) carry the key
+and type where the source's specs read them: a ``message_id`` key is the
+id the broker gives the message, printed, never chosen; a
+``deduplication_id`` key is the FIFO message's deduplication id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions
+import click
+import google.api_core.exceptions as api_exceptions
+from google.cloud import pubsub_v1
+
+from .. import pointers
+from ..config import BrokerSourceConfig, parse_broker_spec
+from ..fingerprint import JSONError, loads
+
+_AWS_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError)
+_GOOGLE_ERRORS = (api_exceptions.GoogleAPIError, OSError)
+_NO_QUEUE = frozenset(
+    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
+)
+# The message group of a FIFO message this command sends (one group: in order).
+FIFO_GROUP = "webhook-receiver"
+# The ack deadline of a subscription declare makes: the consumer extends it
+# for a batch that takes longer.
+ACK_DEADLINE_SECONDS = 60
+
+
+def _fail(source: BrokerSourceConfig, problem: str) -> click.ClickException:
+    return click.ClickException(f"source {source.name}: {problem}")
+
+
+def _describe(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+# -- SQS ------------------------------------------------------------------------------
+
+
+def _sqs(source: BrokerSourceConfig) -> Any:
+    return boto3.session.Session().client(
+        "sqs", region_name=source.region, endpoint_url=source.endpoint_url
+    )
+
+
+def declare_sqs(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
+    """Create the source's dead-letter queue, then its queue; one line each."""
+    client = _sqs(source)
+    wanted = [source.dead_letter_queue_url, source.url]
+    for url in [u for u in wanted if u]:
+        name = urlsplit(url).path.rstrip("/").rpartition("/")[2]
+        attributes = {"FifoQueue": "true"} if name.endswith(".fifo") else {}
+        shown = f"queue {name!r}{' (FIFO)' if attributes else ''}"
+        try:
+            existed = _sqs_exists(client, url)
+            made = client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+        except botocore.exceptions.ClientError as exc:
+            raise _fail(source, f"{shown}: {exc.response.get('Error', {}).get('Message')}") from exc
+        except _AWS_ERRORS as exc:
+            raise _fail(source, f"SQS at {_where(source)}: {_describe(exc)}") from exc
+        if made.rstrip("/") != url.rstrip("/"):
+            raise _fail(
+                source,
+                f"{shown} is {made} on {_where(source)}, not {url}: "
+                "correct the source's URL (or its region and endpoint_url)",
+            )
+        say(f"{shown}: {'exists' if existed else 'created'}")
+
+
+def _sqs_exists(client: Any, url: str) -> bool:
+    try:
+        client.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])
+    except botocore.exceptions.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in _NO_QUEUE:
+            return False
+        raise
+    return True
+
+
+def _where(source: BrokerSourceConfig) -> str:
+    return source.endpoint_url or source.region or "AWS"
+
+
+def publish_sqs(
+    source: BrokerSourceConfig,
+    body: bytes,
+    key: str | None,
+    event_type: str | None,
+    content_type: str | None,
+) -> str:
+    """Send one message to the source's queue; the line to print (its MessageId)."""
+    placed = _place(source, body, key, event_type, content_type)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise click.UsageError("SQS carries text bodies only (UTF-8)") from None
+    request: dict[str, Any] = {"QueueUrl": source.url, "MessageBody": text}
+    if placed.attributes:
+        request["MessageAttributes"] = {
+            name: {"DataType": "String", "StringValue": value}
+            for name, value in placed.attributes.items()
+        }
+    if (source.queue or "").endswith(".fifo"):
+        request["MessageGroupId"] = FIFO_GROUP
+        if placed.deduplication_id is not None:
+            request["MessageDeduplicationId"] = placed.deduplication_id
+    client = _sqs(source)
+    try:
+        sent = client.send_message(**request)
+    except botocore.exceptions.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in _NO_QUEUE:
+            raise _fail(
+                source,
+                f"queue {source.url} does not exist: "
+                f"run `flask --app wsgi brokers declare {source.name}` first",
+            ) from exc
+        raise _fail(source, f"SQS refused the message: {_describe(exc)}") from exc
+    except _AWS_ERRORS as exc:
+        raise _fail(source, f"cannot reach SQS at {_where(source)}: {_describe(exc)}") from exc
+    shown = placed.shown(sent["MessageId"])
+    return f"sent to queue {source.queue!r} (MessageId {sent['MessageId']}): {shown}"
+
+
+# -- Pub/Sub ----------------------------------------------------------------------------
+
+
+def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
+    """Create the dead-letter topic (and its subscription), then the subscription; a line each."""
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        dead = source.dead_letter_topic
+        if dead:
+            say(_put_topic(publisher, dead))
+            keeper = dead.replace("/topics/", "/subscriptions/", 1)
+            say(_put_subscription(subscriber, keeper, dead, "keeps the dead letters"))
+        path = source.subscription or ""
+        try:
+            subscriber.get_subscription(subscription=path, timeout=10)
+            say(f"subscription {path!r}: exists")
+            return
+        except api_exceptions.NotFound:
+            pass
+        topic = path.replace("/subscriptions/", "/topics/", 1)
+        say(_put_topic(publisher, topic))
+        say(_put_subscription(subscriber, path, topic, f"ack deadline {ACK_DEADLINE_SECONDS} s"))
+    except _GOOGLE_ERRORS as exc:
+        raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
+    finally:
+        publisher.stop()
+        subscriber.close()
+
+
+def _put_topic(publisher: Any, topic: str) -> str:
+    try:
+        publisher.create_topic(name=topic, timeout=10)
+        return f"topic {topic!r}: created"
+    except api_exceptions.AlreadyExists:
+        return f"topic {topic!r}: exists"
+
+
+def _put_subscription(subscriber: Any, path: str, topic: str, what: str) -> str:
+    shown = f"subscription {path!r} (of {topic!r}, {what})"
+    try:
+        subscriber.create_subscription(
+            request={"name": path, "topic": topic, "ack_deadline_seconds": ACK_DEADLINE_SECONDS},
+            timeout=10,
+        )
+        return f"{shown}: created"
+    except api_exceptions.AlreadyExists:
+        return f"{shown}: exists"
+
+
+def publish_pubsub(
+    source: BrokerSourceConfig,
+    body: bytes,
+    key: str | None,
+    event_type: str | None,
+    content_type: str | None,
+) -> str:
+    """Publish one message to the subscription's topic; the line to print (its message id)."""
+    placed = _place(source, body, key, event_type, content_type)
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        try:
+            topic = subscriber.get_subscription(subscription=source.subscription, timeout=10).topic
+        except api_exceptions.NotFound as exc:
+            raise _fail(
+                source,
+                f"subscription {source.subscription!r} does not exist: "
+                f"run `flask --app wsgi brokers declare {source.name}` first",
+            ) from exc
+        message_id = publisher.publish(topic, body, **placed.attributes).result(timeout=30)
+    except _GOOGLE_ERRORS as exc:
+        raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
+    finally:
+        publisher.stop()
+        subscriber.close()
+    return f"published to {topic!r} (message id {message_id}): {placed.shown(message_id)}"
+
+
+# -- where the key and type travel ---------------------------------------------------
+
+
+class _Placed:
+    """A message's attributes, and where its key and type travel, for the command's line."""
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, str] = {}
+        self.deduplication_id: str | None = None
+        self.assigned_key = False
+        self.parts: list[str] = []
+
+    def shown(self, message_id: str) -> str:
+        parts = list(self.parts)
+        if self.assigned_key:
+            parts.insert(0, f"dedup_key {message_id!r} (the broker's message id)")
+        return ", ".join(parts) or "no key or type set"
+
+
+def _place(
+    source: BrokerSourceConfig,
+    body: bytes,
+    key: str | None,
+    event_type: str | None,
+    content_type: str | None,
+) -> _Placed:
+    """Where the source's specs read the key and type; UsageError for what cannot be placed."""
+    placed = _Placed()
+    try:
+        parsed: Any = loads(body)
+        is_json = True
+    except JSONError:
+        parsed, is_json = None, False
+    content_type = content_type or ("application/json" if is_json else None)
+    if content_type:
+        placed.attributes["content-type"] = content_type
+    for name, spec, value in (
+        ("dedup_key", source.dedup_key, key),
+        ("event_type", source.event_type, event_type),
+    ):
+        kind, arg = parse_broker_spec(spec, source.provider, name)
+        option = "--key" if name == "dedup_key" else "--type"
+        if kind == "json":
+            found = pointers.resolve(parsed, arg) if is_json else None
+            text = None if found is None or isinstance(found, dict | list) else str(found)
+            if text is None and (name == "dedup_key" or value is not None):
+                raise click.UsageError(
+                    f"source {source.name} reads its {name} from the body ({spec}): "
+                    "the body must carry it there as a JSON string or number"
+                )
+            if value is not None and value != text:
+                raise click.UsageError(
+                    f"{option}: the body holds {text!r} at {spec}, not {value!r}: "
+                    "change the body, not the option"
+                )
+            if text is not None:
+                placed.parts.append(f"{name} {text!r} at {spec}")
+        elif kind == "property" and arg == "message_id":
+            if value is not None:
+                raise click.UsageError(
+                    f"{option}: source {source.name}'s dedup key is the id the broker gives "
+                    "each message; publish without --key (the id is printed)"
+                )
+            placed.assigned_key = True
+        elif kind == "property" and arg == "deduplication_id":
+            if value is None:
+                raise click.UsageError(f"give {option}: the FIFO message's deduplication id")
+            placed.deduplication_id = value
+            placed.parts.append(f"MessageDeduplicationId {value!r}")
+        elif kind == "header":
+            if value is None:
+                if name == "dedup_key":
+                    raise click.UsageError(
+                        f"give {option}: source {source.name} reads its dedup key from {spec}"
+                    )
+                continue
+            placed.attributes[arg] = value
+            placed.parts.append(f"attribute {arg} {value!r}")
+    return placed

@@ -1,0 +1,70 @@
+"""Forwards to Google Cloud Pub/Sub (``pubsub://<project>/<topic>``): done on the publish future.
+
+The message's data is the event's body; its attributes: ``message-id``
+(the forward's stable key, what a ``pubsub`` source reads with
+``dedup_key = "attribute:message-id"``), ``type`` (the event type),
+``content-type``, ``X-Request-Id`` (the correlation id) and the forward's
+headers (``X-Webhook-Source``, ``X-Webhook-Event-Id``). No ordering key: a
+worker killed between the publish and marking the delivery done publishes
+again, and the consumer deduplicates on ``message-id``. Credentials are
+the application default credentials (``PUBSUB_EMULATOR_HOST`` for the
+emulator); one publisher client per process, shared by the worker's
+threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import google.api_core.exceptions as api_exceptions
+from google.cloud import pubsub_v1
+
+from ...config import ForwardConfig
+from .base import BrokerMessage, PublishError, PublishRefused
+
+SCHEMES = frozenset({"pubsub"})
+
+_clients: list[Any] = []
+_lock = threading.Lock()
+
+
+def topic_path(forward: ForwardConfig) -> str:
+    """The topic's full name, from the forward's pubsub://<project>/<topic>."""
+    project, _, topic = forward.url.removeprefix("pubsub://").partition("/")
+    return f"projects/{project}/topics/{topic}"
+
+
+def _publisher() -> Any:
+    with _lock:
+        if not _clients:
+            # One message a batch: each publish is sent at once, not after
+            # the client's batching latency.
+            settings = pubsub_v1.types.BatchSettings(max_messages=1)
+            _clients.append(pubsub_v1.PublisherClient(batch_settings=settings))
+        return _clients[0]
+
+
+def attributes(message: BrokerMessage) -> dict[str, str]:
+    """The attributes a forward publishes (none empty)."""
+    values = {
+        "message-id": message.message_id,
+        "type": message.event_type or "",
+        "content-type": message.content_type or "",
+        "X-Request-Id": message.correlation_id,
+        **message.headers,
+    }
+    return {name: value for name, value in values.items() if value}
+
+
+def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
+    try:
+        future = _publisher().publish(topic_path(forward), message.body, **attributes(message))
+        future.result(timeout=forward.timeout_seconds)
+    except api_exceptions.InvalidArgument as exc:
+        # Too large, or attributes Pub/Sub refuses: whatever the attempt.
+        raise PublishRefused(f"Pub/Sub refused the message: {exc}") from exc
+    except api_exceptions.NotFound as exc:
+        raise PublishError(f"no topic {topic_path(forward)!r}: {exc}") from exc
+    except Exception as exc:  # a publish future raises whatever failed it
+        raise PublishError(f"{type(exc).__name__}: {exc}") from exc

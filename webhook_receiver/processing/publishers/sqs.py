@@ -1,0 +1,116 @@
+"""Forwards to Amazon SQS (``sqs://<host>/<account>/<queue>``): done on SendMessage's answer.
+
+The message's body is the event's (SQS carries text: a body that is not
+UTF-8, or holds characters SQS refuses, cannot be sent and the delivery
+goes dead at once); its attributes: ``message-id`` (the forward's stable
+key, what an ``sqs`` source reads with ``dedup_key =
+"attribute:message-id"``), ``type`` (the event type), ``content-type``,
+``X-Request-Id`` (the correlation id) and the forward's headers
+(``X-Webhook-Source``, ``X-Webhook-Event-Id``). On a FIFO queue the stable
+key is also the ``MessageDeduplicationId`` (its SHA-256 when longer than
+SQS's 128 characters or outside its alphabet), so a worker killed between
+the send and marking the delivery done sends again within SQS's five
+minutes without a second message; the group is the event's source.
+Credentials come from the standard AWS chain; one client per region and
+endpoint, shared by the worker's threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from ...config import ForwardConfig
+from .base import BrokerMessage, PublishError, PublishRefused
+
+SCHEMES = frozenset({"sqs"})
+# What SQS says of a message it will never take, whatever the attempt.
+_REFUSED = frozenset(
+    {
+        "InvalidMessageContents",
+        "MessageTooLong",
+        "InvalidParameterValue",
+        "InvalidAttributeName",
+        "InvalidAttributeValue",
+    }
+)
+# A MessageDeduplicationId: up to 128 of these.
+_DEDUPLICATION_ID = re.compile(r"^[!-~]{1,128}$")
+MAX_ATTRIBUTES = 10
+
+_clients: dict[tuple[str | None, str | None, float], Any] = {}
+_lock = threading.Lock()
+
+
+def queue_url(forward: ForwardConfig) -> str:
+    """The QueueUrl a forward sends to: its URL over HTTPS, or on its endpoint_url."""
+    host, _, path = forward.url.removeprefix("sqs://").partition("/")
+    base = (forward.endpoint_url or f"https://{host}").rstrip("/")
+    return f"{base}/{path}"
+
+
+def _client(forward: ForwardConfig) -> Any:
+    key = (forward.region, forward.endpoint_url, forward.timeout_seconds)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = boto3.session.Session().client(
+                "sqs",
+                region_name=forward.region,
+                endpoint_url=forward.endpoint_url,
+                config=botocore.config.Config(
+                    connect_timeout=forward.timeout_seconds,
+                    read_timeout=forward.timeout_seconds,
+                    retries={"max_attempts": 1, "mode": "standard"},
+                ),
+            )
+        return client
+
+
+def attributes(message: BrokerMessage) -> dict[str, str]:
+    """The attributes a forward sends (SQS takes no empty value, and ten at most)."""
+    values = {
+        "message-id": message.message_id,
+        "type": message.event_type or "",
+        "content-type": message.content_type or "",
+        "X-Request-Id": message.correlation_id,
+        **message.headers,
+    }
+    return {name: value for name, value in values.items() if value}
+
+
+def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
+    values = attributes(message)
+    if len(values) > MAX_ATTRIBUTES:
+        raise PublishRefused(f"{len(values)} attributes: SQS takes {MAX_ATTRIBUTES} at most")
+    try:
+        body = message.body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PublishRefused("the body is not UTF-8 text, which SQS carries only") from exc
+    request: dict[str, Any] = {
+        "QueueUrl": queue_url(forward),
+        "MessageBody": body,
+        "MessageAttributes": {
+            name: {"DataType": "String", "StringValue": value} for name, value in values.items()
+        },
+    }
+    if forward.url.endswith(".fifo"):
+        key = message.message_id
+        if not _DEDUPLICATION_ID.match(key):
+            key = hashlib.sha256(key.encode()).hexdigest()
+        request["MessageDeduplicationId"] = key
+        request["MessageGroupId"] = message.headers.get("X-Webhook-Source") or "webhook-receiver"
+    try:
+        _client(forward).send_message(**request)
+    except botocore.exceptions.ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        error = PublishRefused if code in _REFUSED else PublishError
+        raise error(f"SQS refused the message ({code}): {exc}") from exc
+    except (botocore.exceptions.BotoCoreError, OSError) as exc:
+        raise PublishError(f"{type(exc).__name__}: {exc}") from exc
