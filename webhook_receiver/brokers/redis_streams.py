@@ -176,21 +176,23 @@ class RedisStreamConsumer(batch.Consumer):
     # -- reading ----------------------------------------------------------------
 
     def _loop(self, client: Any) -> None:
-        # One batch is stored (then settled) while the next is read; batches
-        # are settled one at a time, in order, on this thread, which owns
-        # the connection.
+        # One batch is stored (then settled) while the next is read and
+        # identified; batches are settled one at a time, in order, on this
+        # thread, which owns the connection.
         inflight: tuple[list[Entry], Future[list[batch.Verdict]]] | None = None
         with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
             try:
                 while not self.stop.is_set():
                     entries = self._next(client, wait=inflight is None)
+                    # Identified here, while the batch before is stored.
+                    prepared = self.prepare(self.source, entries, self._broker_message)
                     if inflight is not None:
                         stored = self._settle(client, *inflight, arrived=entries)
                         inflight = None
                         if not stored:
                             continue  # held, with what arrived: stored again first
                     if entries:
-                        inflight = (entries, pool.submit(self._store, entries))
+                        inflight = (entries, pool.submit(self._store, prepared))
             finally:
                 # Stopping or not, the batch in hand is committed and settled first.
                 if inflight is not None:
@@ -282,8 +284,7 @@ class RedisStreamConsumer(batch.Consumer):
 
     # -- storing and settling ---------------------------------------------------------
 
-    def _store(self, entries: list[Entry]) -> list[batch.Verdict]:
-        prepared = self.prepare(self.source, entries, self._broker_message)
+    def _store(self, prepared: batch.Prepared) -> list[batch.Verdict]:
         with self.app.app_context():
             return self.store(self.source, prepared)
 
