@@ -26,7 +26,7 @@ class BackgroundWriter:
         self._flushing = threading.Lock()  # one write at a time (thread and exit)
         self._due = threading.Event()
         self._closing = threading.Event()
-        # Set to end the interval's gathering early: closing, or hurry().
+        # Set to end the interval's gathering early: when closing.
         self._now = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -45,12 +45,6 @@ class BackgroundWriter:
         self._start_thread()
         if not self._due.is_set():  # set() takes a lock even when it changes nothing
             self._due.set()
-
-    def hurry(self) -> None:
-        """Have what is pending written now, on the thread, rather than at the interval's end."""
-        self._start_thread()
-        self._due.set()
-        self._now.set()
 
     def close(self) -> None:
         """Stop the thread and write what is pending."""
