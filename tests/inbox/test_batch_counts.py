@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
@@ -256,3 +256,45 @@ def test_a_broker_batch_is_counted_before_store_returns(make_app):
         assert [v.action for v in verdicts] == ["ack"] * 4 + ["dead_letter"]
         assert sum(n for n, _ in _counts().values()) == 8
         assert _ledger(app).pending() == 0
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_run_of_redeliveries_commits_its_counts_without_waiting_for_the_disk(make_app):
+    # SQLite's batch read first writes only counts and positions: committed
+    # at synchronous=NORMAL (durable through a crash of the process), and
+    # every connection goes back to the pool at FULL, for events' commits.
+    app = _app(make_app)
+    levels: list[tuple[str, int]] = []
+
+    def watch(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        for table in ("broker_positions", "event_conflicts"):
+            if f"INTO {table}" in statement:
+                level = conn.connection.execute("PRAGMA synchronous").fetchone()[0]
+                levels.append((table, level))
+
+    with app.app_context():
+        batch = [message(f"k{n}") for n in range(3)]
+        stored = inbox.receive_many(batch, counts_in_transaction=True, positions=[at(0, 3)])
+        inbox.receive_many(batch, counts_in_transaction=True, positions=[at(0, 6)])
+        event.listen(db.engine, "before_cursor_execute", watch)
+        try:
+            inbox.receive_many(batch, counts_in_transaction=True, positions=[at(0, 9)])
+            with _failing("event_conflicts"):  # a conflict's commit waits for the disk
+                changed = message("k0", fingerprint="c" * 64, body=b"changed")
+                with pytest.raises(DBAPIError):
+                    inbox.receive_many([changed], counts_in_transaction=True, positions=[at(0, 10)])
+        finally:
+            event.remove(db.engine, "before_cursor_execute", watch)
+        # NORMAL (1), then FULL (2) for the conflict, which failed before its positions.
+        assert levels == [("broker_positions", 1), ("event_conflicts", 2)]
+        assert inbox.stored_positions(SOURCE) == {("orders", 0): 9}
+        assert _counts()[stored[0].event_id][0] == 2
+        pooled = [db.engine.raw_connection() for _ in range(db.engine.pool.checkedin())]
+        try:
+            assert pooled
+            assert {
+                c.driver_connection.execute("PRAGMA synchronous").fetchone()[0] for c in pooled
+            } == {2}
+        finally:
+            for c in pooled:
+                c.close()

@@ -153,7 +153,9 @@ class RiddenBatch:
         copies. ``count``: write the redeliveries' rows.
         """
         times: dict[datetime, datetime | None] = {}
-        copies = [m for index, m in enumerate(messages) if first[(m.source, m.dedup_key)] != index]
+        copies: list[Message] = []
+        if len(first) < len(messages):  # a key comes again
+            copies = [m for i, m in enumerate(messages) if first[(m.source, m.dedup_key)] != i]
         for m in copies:
             at = m.received_at or now
             if at not in times:
