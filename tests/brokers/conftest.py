@@ -451,3 +451,149 @@ def dead_letter_count(app: Flask, source: str, reason: str) -> float:
     with app.app_context():  # the registry's collectors read the database too
         value = registry.get_sample_value("webhook_receiver_broker_dead_letters_total", labels)
     return value or 0
+
+
+# -- Kafka (Tansu, tests/tansu.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    """The test Kafka broker's ``host:port``: Tansu, started once per session."""
+    from .. import tansu
+
+    try:
+        return tansu.bootstrap()
+    except Exception as exc:
+        _unavailable("Kafka (Tansu)", exc)
+        raise
+
+
+@dataclass
+class Topic:
+    """A test's Kafka topic (``partitions`` of them), its dead-letter topic and consumer group."""
+
+    bootstrap: str
+    name: str
+    partitions: int = 1
+    published: int = 0
+    # Per partition, the offset after the last record published (from the
+    # delivery reports: Tansu's high watermark is not the log's end).
+    ends: dict[int, int] = field(default_factory=dict)
+    _producer: Any = None
+
+    @property
+    def dead(self) -> str:
+        return f"{self.name}.dead"
+
+    @property
+    def group(self) -> str:
+        return f"{self.name}-group"
+
+    def create(self) -> None:
+        from ..tansu import create_topic
+
+        create_topic(self.bootstrap, self.name, self.partitions)
+        create_topic(self.bootstrap, self.dead, 1)
+
+    def producer(self) -> Any:
+        """One idempotent producer per topic, shared by the test's threads."""
+        from confluent_kafka import Producer
+
+        if self._producer is None:
+            self._producer = Producer(
+                {
+                    "bootstrap.servers": self.bootstrap,
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "log_level": 3,
+                }
+            )
+        return self._producer
+
+    def publish(self, records: list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]) -> None:
+        """Publish (key, value, headers) records; every delivery report must be a success."""
+        failed: list[Any] = []
+
+        def report(error: Any, message: Any) -> None:
+            if error is not None:
+                failed.append(error)
+            else:
+                end = self.ends.get(message.partition(), 0)
+                self.ends[message.partition()] = max(end, message.offset() + 1)
+
+        producer = self.producer()
+        for key, value, headers in records:
+            producer.produce(self.name, value=value, key=key, headers=headers, on_delivery=report)
+            producer.poll(0)
+        assert producer.flush(30) == 0, "records left undelivered"
+        assert not failed, failed
+        self.published += len(records)
+
+    def _reader(self) -> Any:
+        from confluent_kafka import Consumer
+
+        return Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": self.group,
+                "enable.auto.commit": False,
+            }
+        )
+
+    def lag(self) -> int:
+        """Records past the group's committed offsets, over every partition."""
+        from confluent_kafka import TopicPartition
+
+        reader = self._reader()
+        try:
+            parts = [TopicPartition(self.name, p) for p in range(self.partitions)]
+            committed = reader.committed(parts, timeout=10)
+            return sum(self.ends.get(tp.partition, 0) - max(tp.offset, 0) for tp in committed)
+        finally:
+            reader.close()
+
+    def read_all(self, topic: str, quiet: float = 1.5) -> list[Any]:
+        """Every record of ``topic`` (partition 0) from its start, until ``quiet`` s bring none."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        reader = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"{topic}-reader-{uuid.uuid4().hex[:6]}",
+                "enable.auto.commit": False,
+            }
+        )
+        try:
+            reader.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+            records: list[Any] = []
+            last = time.monotonic()
+            while time.monotonic() - last < quiet:
+                came = [m for m in reader.consume(500, 0.25) if m.error() is None]
+                if came:
+                    records += came
+                    last = time.monotonic()
+            return records
+        finally:
+            reader.close()
+
+
+@pytest.fixture
+def kafka_topic(kafka_bootstrap: str) -> Topic:
+    """A fresh topic of one partition, with its dead-letter topic (Tansu keeps them in memory)."""
+    topic = Topic(kafka_bootstrap, f"wr-test-{uuid.uuid4().hex[:10]}")
+    topic.create()
+    return topic
+
+
+def kafka_source(topic: Topic, **extra: Any) -> dict[str, Any]:
+    """A broker source table consuming ``topic``, keys in the ``message-id`` header."""
+    return {
+        "provider": "kafka",
+        "bootstrap_servers": topic.bootstrap,
+        "topics": [topic.name],
+        "group_id": topic.group,
+        "dedup_key": "header:message-id",
+        "event_type": "header:type",
+        "dead_letter_topic": topic.dead,
+        **extra,
+    }

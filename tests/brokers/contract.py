@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from .conftest import Queue, Stream, nats_source, rabbit_source
+from .conftest import Queue, Stream, Topic, kafka_source, nats_source, rabbit_source
 from .mqtt_fixtures import MqttTopics, mqtt_source
 from .redis_fixtures import RedisStream, redis_source
 
@@ -327,10 +327,71 @@ class Mqtt(BrokerUnderTest):
 KEY_ATTRIBUTE = "message-id"
 
 
+class Kafka(BrokerUnderTest):
+    """A topic and its dead-letter topic on Tansu; keys in a ``message-id`` header.
+
+    What is unacknowledged is the group's lag: the records past its
+    committed offsets (committed after the database's commit, with
+    ``offsets = "inbox"`` too).
+    """
+
+    name = "kafka"
+    batches_held = 2  # one storing, one consumed
+
+    def __init__(self, topic: Topic) -> None:
+        self.topic = topic
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        return kafka_source(self.topic, batch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.topic.publish([(None, m.body, self._headers(m.key, m.type)) for m in messages])
+
+    @staticmethod
+    def _headers(key: str | bytes | None, type_: str) -> list[tuple[str, bytes]]:
+        headers = [("type", type_.encode()), ("content-type", b"application/json")]
+        if key is not None:
+            headers.append(("message-id", key if isinstance(key, bytes) else key.encode()))
+        return headers
+
+    def publish_malformed(self) -> None:
+        self.topic.publish([(None, b'{"n": -1}', self._headers(b"m-\xff", "order"))])
+
+    def taken(self) -> int:
+        # A record consumed is not seen from outside before its commit: what
+        # was published is what the consumer, subscribed, takes at once.
+        return self.topic.published
+
+    def unsettled(self) -> int:
+        return self.topic.lag()
+
+    def left_after_stop(self) -> int:
+        return self.topic.lag()
+
+    def drained(self) -> bool:
+        return self.topic.lag() == 0
+
+    def dead_letters(self) -> list[DeadLetter]:
+        out = []
+        for record in self.topic.read_all(self.topic.dead):
+            headers = dict(record.headers() or [])
+            key = headers.get("message-id")
+            reason = headers.get("__connect.errors.exception.class.name")
+            out.append(
+                DeadLetter(
+                    key.decode(errors="replace") if key is not None else None,
+                    record.value(),
+                    reason.decode() if reason is not None else None,
+                )
+            )
+        return out
+
+
 # Every broker the contract suite runs against: (its name, the fixture it is built on, its class).
 BROKERS: list[tuple[str, str, type[BrokerUnderTest]]] = [
     ("rabbitmq", "amqp_queue", RabbitMQ),
     ("nats", "jetstream", NatsJetStream),
+    ("kafka", "kafka_topic", Kafka),
     ("redis", "redis_stream", RedisStreams),
     ("mqtt", "mqtt_topics", Mqtt),
 ]

@@ -22,6 +22,7 @@ from flask import Flask
 
 from ..config import BrokerSourceConfig, ConfigError, FileConfig
 from .jetstream import JetStreamConsumer
+from .kafka import KafkaConsumer
 from .mqtt import MqttConsumer
 from .outage import Outage
 from .rabbitmq import RabbitConsumer
@@ -55,10 +56,12 @@ def sources_to_consume(file_config: FileConfig, names: Sequence[str]) -> list[Br
 # One adapter per broker, by the provider name its sources give (docs/brokers.md,
 # "Adding a broker").
 ADAPTERS: dict[
-    str, type[RabbitConsumer | JetStreamConsumer | RedisStreamConsumer | MqttConsumer]
+    str,
+    type[RabbitConsumer | JetStreamConsumer | KafkaConsumer | RedisStreamConsumer | MqttConsumer],
 ] = {
     "rabbitmq": RabbitConsumer,
     "nats": JetStreamConsumer,
+    "kafka": KafkaConsumer,
     "redis": RedisStreamConsumer,
     "mqtt": MqttConsumer,
 }
