@@ -105,7 +105,7 @@ MAX_TIMESTAMP_DIGITS = 12
 
 
 def stamped_signatures(
-    inbound: Inbound, name: str, separator: str, stamp: str, signature: str
+    inbound: Inbound, name: str, separator: str, stamp_label: str, signature_label: str
 ) -> tuple[str, list[bytes]]:
     """A ``<stamp>=<time><sep><signature>=<hex>...`` header: its one time, and every hex digest.
 
@@ -113,23 +113,22 @@ def stamped_signatures(
     signatures, ones added later) are ignored, as the senders' SDKs do; an
     undecodable digest is one that cannot match.
     """
-    stamps: list[str] = []
-    signatures: list[bytes] = []
+    # Each label's values, looked up by the label: a header's other parts are skipped.
+    parts: dict[str, list[str]] = {stamp_label: [], signature_label: []}
     for item in header(inbound, name).split(separator):
-        scheme, sep, data = item.strip().partition("=")
+        label, sep, data = item.strip().partition("=")
         if not sep:
             raise SignatureError(f"malformed {name} header")
-        if scheme == stamp:
-            stamps.append(data)
-        elif scheme == signature:
-            digest = from_hex(data)
-            if digest is not None:
-                signatures.append(digest)
+        values = parts.get(label)
+        if values is not None:
+            values.append(data)
+    stamps = parts[stamp_label]
+    signatures = [d for d in map(from_hex, parts[signature_label]) if d is not None]
     # Unix seconds have 10 digits until 2286: a far longer stamp is not a time.
     if len(stamps) != 1 or len(stamps[0]) > 15:
         raise SignatureError(f"malformed {name} header")
     if not signatures:
-        raise SignatureError(f"no {signature} signature in {name} header")
+        raise SignatureError(f"no {signature_label} signature in {name} header")
     return stamps[0], signatures
 
 
