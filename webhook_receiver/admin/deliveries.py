@@ -11,6 +11,7 @@ again with the new count.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from flask import abort, flash, redirect, render_template, request, url_for
 from flask.typing import ResponseReturnValue
@@ -62,7 +63,7 @@ def _filter(args: MultiDict[str, str]) -> tuple[Filter, int | None, list[str]]:
     return flt, limit, errors
 
 
-def _filter_args(flt: Filter, limit: int | None) -> dict[str, str]:
+def _filter_args(flt: Filter, limit: int | None) -> dict[str, Any]:
     """The filter as query arguments (the ones given)."""
     found = {
         "consumer": flt.consumer,

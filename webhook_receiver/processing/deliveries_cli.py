@@ -120,6 +120,14 @@ def actor() -> str:
 )
 @click.option("--dry-run", is_flag=True, help="Print how many would be replayed, and stop.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation (bulk).")
+@click.option(
+    "--rest",
+    type=click.FloatRange(min=0),
+    default=replay.REST,
+    show_default=True,
+    help="After each batch, wait this many times as long as it took (bulk): "
+    "leaves the database to the intake.",
+)
 def replay_command(
     event_id: int | None,
     consumer: str,
@@ -132,6 +140,7 @@ def replay_command(
     new_key: bool,
     dry_run: bool,
     yes: bool,
+    rest: float,
 ) -> None:
     """Send events again, whatever their deliveries' state: one event, or many by a filter."""
     who = actor()
@@ -174,7 +183,7 @@ def replay_command(
         click.echo(f"note: {replay.SAME_KEY_WARNING} (--new-key)")
     if not yes:
         click.confirm(f"Replay {_deliveries(plan.count)}?", abort=True)
-    done = replay.run(plan, actor=who, via=replays.VIA_CLI, new_key=new_key)
+    done = replay.run(plan, actor=who, via=replays.VIA_CLI, new_key=new_key, rest=rest)
     _report(done, new_key)
 
 

@@ -6,10 +6,10 @@ operator's confirmation takes the deliveries counted, not those made since.
 :func:`run` records the replay, then moves the deliveries back in the queue
 (``outbox.replays.requeue``) in batches: a read of the next batch's ids,
 then one short transaction per batch, so a replay of 100,000 deliveries
-never holds a long transaction, and an optional pause between batches
-leaves the database to the intake. The worker then sends them as any other
-pending delivery, with the same Idempotency-Key, or ``:replay-<n>`` after
-it when a new key was asked for.
+never holds a long transaction, and a rest after each batch (``rest``
+times as long as the batch took) leaves the database to the intake. The
+worker then sends them as any other pending delivery, with the same
+Idempotency-Key, or ``:replay-<n>`` after it when a new key was asked for.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from ..outbox.replays import Filter
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 500
+# After each batch, wait this many times as long as it took (see run).
+REST = 0.0
 SAME_KEY_WARNING = (
     "the Idempotency-Key (message id) is kept: a downstream that deduplicates on it "
     "will drop the replay; ask for a new key to have it taken as new"
@@ -87,11 +89,17 @@ def run(
     new_key: bool = False,
     clock: Callable[[], datetime] = utcnow,
     batch_size: int = BATCH_SIZE,
-    pause_seconds: float = 0.0,
+    rest: float = REST,
 ) -> Done:
-    """Record the replay and queue its deliveries again, a batch per transaction."""
+    """Record the replay and queue its deliveries again, a batch per transaction.
+
+    After each batch it waits ``rest`` times as long as the batch took, so
+    that the intake keeps the database most of the time.
+    """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
+    if rest < 0:
+        raise ValueError("rest must not be negative")
     with unit_of_work():
         replay_id = replays.create(
             actor=actor,
@@ -109,6 +117,7 @@ def run(
         size = batch_size if plan.limit is None else min(batch_size, plan.limit - seen)
         if size <= 0:
             break
+        started = time.monotonic()
         ids = replays.next_ids(plan.filter, after=after, up_to=plan.up_to, size=size)
         end_read()
         if not ids:
@@ -121,8 +130,8 @@ def run(
         after = ids[-1]
         if len(ids) < size:
             break
-        if pause_seconds:
-            time.sleep(pause_seconds)
+        if rest:
+            time.sleep(rest * (time.monotonic() - started))
     with unit_of_work():
         replays.finish(replay_id, clock())
     done = Done(replay_id, plan.count, sum(consumers.values()), consumers)
