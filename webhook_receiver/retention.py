@@ -3,7 +3,8 @@
 - Events past their source's ``retention_days``; API events (``api:<client>``)
   past ``API_RETENTION_DAYS``; events of a source or client no longer in the
   config past ``DEFAULT_RETENTION_DAYS``. Their duplicates, conflicts and
-  (final) deliveries go with them: the foreign keys cascade.
+  (final) deliveries go with them, and the deliveries' attempts (the
+  attempt log) with those: the foreign keys cascade.
 - Never an event with a delivery that is not final (pending, in progress or
   dead): it is kept, and counted, until its deliveries are delivered,
   skipped or discarded. A dead letter is never lost silently: it goes only
