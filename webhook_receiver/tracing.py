@@ -20,7 +20,7 @@ import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 from flask import Flask, current_app, has_app_context
@@ -129,11 +129,6 @@ def span(
         name, context=context, kind=kind, attributes=values
     ) as opened:
         yield opened
-
-
-def maybe_span(name: str, **attributes: Any) -> Any:
-    """``span`` when tracing is on, else a bare null context (the hot paths' cheaper form)."""
-    return span(name, **attributes) if on() else nullcontext()
 
 
 def end_with(opened: trace.Span, ok: bool, status: int | None, error: str | None) -> None:
