@@ -226,6 +226,19 @@ def test_the_response_body_is_cut_at_2_kb_with_credentials_redacted(
     assert kept.endswith("x")
 
 
+def test_a_secret_cut_at_2_kb_is_redacted_all_the_same(make_app, downstream, clock, make_worker):
+    app = _app(make_app, forward("billing", downstream.url + "/billing"))
+    padding = "p" * 2015
+    answer = json.dumps({"padding": padding, "api_key": "key-0123456789abcdef"}).encode()
+    downstream.replies["/billing"] = [Reply(200, body=answer)]
+    store_event(app, clock, dedup_key="evt-1")
+    drain(app, make_worker(app, clock))
+    [row] = attempt_rows(app)
+    assert len(row["response_body"]) == 2048
+    assert row["response_body"].endswith('"api_key": "[reda')
+    assert "key-01" not in row["response_body"]
+
+
 def test_redaction_leaves_ordinary_text_alone():
     text = 'HTTP 400: {"error": "missing field", "field": "amount"} retry=later'
     assert attempts.redact(text) == text

@@ -99,9 +99,13 @@ def record(
 
 
 def response_text(body: bytes, forward: ForwardConfig) -> str:
-    """The first 2 KB of a response body as text, credentials redacted."""
-    text = body[:MAX_RESPONSE_BODY].decode("utf-8", "replace")
-    return redact(text, forward)
+    """The first 2 KB of a response body as text, credentials redacted.
+
+    Redacted before it is cut, so that a secret cut in two at 2 KB (a JSON
+    string without its closing quote) is still found.
+    """
+    text = body[: 4 * MAX_RESPONSE_BODY].decode("utf-8", "replace")
+    return redact(text, forward)[:MAX_RESPONSE_BODY]
 
 
 def redact(text: str, forward: ForwardConfig | None = None) -> str:
