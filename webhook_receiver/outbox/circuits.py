@@ -72,16 +72,33 @@ def _when(value: datetime | None) -> Any:
     return literal(value, _t.c.retry_at.type)
 
 
+# The columns of a target's circuit that the worker reads with its event
+# (``joined``): state, failures, opened, cool-down's end, probe's end.
+COLUMNS = (_t.c.circuit, _t.c.failures, _t.c.opened_at, _t.c.retry_at, _t.c.probe_expires_at)
+
+
+def joined(consumer: str) -> Any:
+    """The events table with the row of each event's target for ``consumer``, if it has one.
+
+    The worker reads a claimed delivery's circuit (``COLUMNS``) in the same
+    statement as its event: no round trip of its own.
+    """
+    return Event.__table__.outerjoin(
+        _t, and_(_t.c.source == Event.source, _t.c.consumer == consumer)
+    )
+
+
+def of_row(source: str, consumer: str, values: Any) -> Circuit:
+    """The circuit from ``COLUMNS``' values (all None: no row, so closed and clean)."""
+    if values[0] is None:
+        return Circuit(source, consumer)
+    return Circuit(source, consumer, *values)
+
+
 def read(source: str, consumer: str) -> Circuit:
     """The target's circuit (closed, with no failure, when it has no row)."""
-    row = db.session.execute(
-        select(
-            _t.c.circuit, _t.c.failures, _t.c.opened_at, _t.c.retry_at, _t.c.probe_expires_at
-        ).where(_target(source, consumer))
-    ).one_or_none()
-    if row is None:
-        return Circuit(source, consumer)
-    return Circuit(source, consumer, *row)
+    row = db.session.execute(select(*COLUMNS).where(_target(source, consumer))).one_or_none()
+    return of_row(source, consumer, row or (None,))
 
 
 def read_all() -> list[Circuit]:

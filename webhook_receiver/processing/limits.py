@@ -79,25 +79,36 @@ class Gates:
                 del self._held[target]
             return list(self._held)
 
-    def enter(self, claim: Claim, source: str, forward: ForwardConfig) -> Pass | datetime:
-        """Let the delivery through (a Pass), or hold it back and say until when."""
+    def enter(
+        self,
+        claim: Claim,
+        source: str,
+        forward: ForwardConfig,
+        circuit: circuits.Circuit | None = None,
+    ) -> Pass | datetime:
+        """Let the delivery through (a Pass), or hold it back and say until when.
+
+        ``circuit`` is the target's circuit as read with the event (else it
+        is read here).
+        """
         now = self.clock()
         name = claim.consumer
         breaker = forward.circuit_breaker
-        circuit = circuits.Circuit(source, name)
-        if breaker is not None:
+        if breaker is None:
+            circuit = circuits.Circuit(source, name)
+        elif circuit is None:
             with self.watch("worker circuit read"):
                 circuit = circuits.read(source, name)
                 db.session.rollback()  # end the read
-            if circuit.state == circuits.OPEN and circuit.retry_at and circuit.retry_at > now:
-                return self._hold(claim, source, now, circuit.retry_at, "circuit open")
-            if (
-                circuit.state == circuits.HALF_OPEN
-                and circuit.probe_expires_at
-                and circuit.probe_expires_at > now
-            ):
-                until = min(circuit.probe_expires_at, now + timedelta(seconds=RECHECK_SECONDS))
-                return self._hold(claim, source, now, until, "circuit probe in flight")
+        if circuit.state == circuits.OPEN and circuit.retry_at and circuit.retry_at > now:
+            return self._hold(claim, source, now, circuit.retry_at, "circuit open")
+        if (
+            circuit.state == circuits.HALF_OPEN
+            and circuit.probe_expires_at
+            and circuit.probe_expires_at > now
+        ):
+            until = min(circuit.probe_expires_at, now + timedelta(seconds=RECHECK_SECONDS))
+            return self._hold(claim, source, now, until, "circuit probe in flight")
         if forward.max_per_second is not None:
             with self.watch("worker rate limit"), unit_of_work():
                 slot = circuits.take_slot(

@@ -48,7 +48,7 @@ from ..config import ConfigError
 from ..database import is_unavailable, stall_watch, unit_of_work
 from ..extensions import db
 from ..models import Event, utcnow
-from ..outbox import deliveries, ordering
+from ..outbox import circuits, deliveries, ordering
 from ..outbox.deliveries import Claim
 from . import attempts as attempt_log
 from . import backoff, forwarding, limits, publishers, registry
@@ -69,6 +69,8 @@ class _Snapshot:
     correlation_id: str | None
     # The traceparent the event was received under: its attempts continue that trace.
     traceparent: str | None = None
+    # The target's circuit breaker, read with the event (limits.Gates).
+    circuit: circuits.Circuit | None = None
 
 
 class Worker:
@@ -272,7 +274,10 @@ class Worker:
                     Event.body,
                     Event.correlation_id,
                     Event.meta[tracing.META_KEY].as_string(),
-                ).where(Event.id == claim.event_id)
+                    *circuits.COLUMNS,
+                )
+                .select_from(circuits.joined(claim.consumer))
+                .where(Event.id == claim.event_id)
             ).one_or_none()
             # End the read, so that the next transaction opens with its write.
             db.session.rollback()
@@ -280,7 +285,9 @@ class Worker:
             # Purged since the claim; its deliveries went with it.
             gone = _Snapshot(None, None, None, None, b"", None)
             return self._outcome(claim, gone, LEASE_LOST, error="event deleted")
-        snap = _Snapshot(*event)
+        columns = len(circuits.COLUMNS)
+        snap = _Snapshot(*event[:-columns])
+        snap = replace(snap, circuit=circuits.of_row(snap.source, claim.consumer, event[-columns:]))
         consumer = self.registry.find(snap.source, claim.consumer)
         limit = self.max_attempts
         if consumer is not None and consumer.max_attempts is not None:
@@ -380,7 +387,7 @@ class Worker:
             traceparent=snap.traceparent,
             key_replay=claim.key_replay,
         )
-        gate = self.gates.enter(claim, snap.source, consumer.forward)
+        gate = self.gates.enter(claim, snap.source, consumer.forward, snap.circuit)
         if not isinstance(gate, limits.Pass):
             return self._outcome(claim, snap, limits.HELD, next_attempt_at=gate)
         result = forwarding.send(self._session(), consumer.name, consumer.forward, out)
