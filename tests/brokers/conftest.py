@@ -35,6 +35,12 @@ from webhook_receiver.observability import metrics
 from ..conftest import CI
 from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
 from ..servers import BIN, ROOT, app_env, free_port, stop, wait_until
+from .cloud_fixtures import (  # noqa: F401  (fixtures)
+    pubsub_host,
+    pubsub_subscription,
+    sqs_endpoint,
+    sqs_queue,
+)
 from .mqtt_fixtures import mqtt_broker, mqtt_topics  # noqa: F401  (fixtures)
 from .redis_fixtures import redis_stream, redis_url  # noqa: F401  (fixtures)
 

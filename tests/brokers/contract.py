@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from .cloud_fixtures import SqsQueue, Subscription, pubsub_source, sqs_source
 from .conftest import Queue, Stream, Topic, kafka_source, nats_source, rabbit_source
 from .mqtt_fixtures import MqttTopics, mqtt_source
 from .redis_fixtures import RedisStream, redis_source
@@ -387,6 +388,126 @@ class Kafka(BrokerUnderTest):
         return out
 
 
+KEY_ATTRIBUTE = "message-id"
+
+
+class Sqs(BrokerUnderTest):
+    """A queue and its dead-letter queue on moto; keys in a ``message-id`` message attribute.
+
+    moto counts a queue's messages exactly: what is visible, and what is in
+    flight (received, neither deleted nor back yet).
+    """
+
+    name = "sqs"
+    batches_held = 2  # one storing, one received
+
+    def __init__(self, queue: SqsQueue) -> None:
+        self.queue = queue
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        return sqs_source(self.queue, batch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.queue.send([self._entry(m.key, m.body, m.type) for m in messages])
+
+    @staticmethod
+    def _entry(key: str | bytes | None, body: bytes, type_: str) -> dict[str, Any]:
+        attributes: dict[str, Any] = {
+            "type": {"DataType": "String", "StringValue": type_},
+            "content-type": {"DataType": "String", "StringValue": "application/json"},
+        }
+        if isinstance(key, bytes):
+            attributes[KEY_ATTRIBUTE] = {"DataType": "Binary", "BinaryValue": key}
+        elif key is not None:
+            attributes[KEY_ATTRIBUTE] = {"DataType": "String", "StringValue": key}
+        return {"MessageBody": body.decode(), "MessageAttributes": attributes}
+
+    def publish_malformed(self) -> None:
+        # A Binary attribute that is not UTF-8: never decoded with replacements.
+        self.queue.send([self._entry(b"m-\xff", b'{"n": -1}', "order")])
+
+    def expect_consumer_kill(self) -> None:
+        # What a killed consumer held comes back after 3 s rather than 30.
+        self.queue.set_visibility(3)
+
+    def taken(self) -> int:
+        return self.queue.published - self.queue.counts()[0]
+
+    def unsettled(self) -> int:
+        return sum(self.queue.counts())
+
+    def left_after_stop(self) -> int:
+        return sum(self.queue.counts())
+
+    def drained(self) -> bool:
+        return self.queue.counts() == (0, 0)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        out = []
+        for message in self.queue.receive_all(self.queue.dead_url):
+            attributes = message.get("MessageAttributes") or {}
+            key = attributes.get(KEY_ATTRIBUTE, {})
+            reason = attributes.get("dead-letter-reason", {}).get("StringValue")
+            shown = key.get("StringValue")
+            if shown is None and "BinaryValue" in key:
+                shown = bytes(key["BinaryValue"]).decode(errors="replace")
+            out.append(DeadLetter(shown, message["Body"].encode(), reason))
+        return out
+
+
+class PubSub(BrokerUnderTest):
+    """A topic and subscription on the Pub/Sub emulator; keys in a ``message-id`` attribute.
+
+    What is unacknowledged is counted through a mirror subscription sought
+    to a snapshot of the subscription's (cloud_fixtures.Subscription).
+    """
+
+    name = "pubsub"
+    batches_held = 2  # one storing, one pulled
+
+    def __init__(self, subscription: Subscription) -> None:
+        self.subscription = subscription
+
+    def source(self, batch: int, **extra: Any) -> dict[str, Any]:
+        return pubsub_source(self.subscription, batch=batch, **extra)
+
+    def publish(self, messages: Sequence[Message]) -> None:
+        self.subscription.publish([(m.body, self._attributes(m.key, m.type)) for m in messages])
+
+    @staticmethod
+    def _attributes(key: str | None, type_: str) -> dict[str, str]:
+        attributes = {"type": type_, "content-type": "application/json"}
+        if key is not None:
+            attributes[KEY_ATTRIBUTE] = key
+        return attributes
+
+    def publish_malformed(self) -> None:
+        # Pub/Sub's attributes are UTF-8 always; a NUL no database text holds.
+        self.subscription.publish([(b'{"n": -1}', self._attributes("m-\x00", "order"))])
+
+    def taken(self) -> int:
+        # A pull takes what the subscription has at once: nothing tells, from
+        # outside, what was pulled from what was not.
+        return self.subscription.published
+
+    def unsettled(self) -> int:
+        return self.subscription.unacknowledged()
+
+    def left_after_stop(self) -> int:
+        return self.subscription.unacknowledged()
+
+    def drained(self) -> bool:
+        return self.subscription.unacknowledged() == 0
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [
+            DeadLetter(
+                m.attributes.get(KEY_ATTRIBUTE), m.data, m.attributes.get("dead-letter-reason")
+            )
+            for m in self.subscription.dead_letters()
+        ]
+
+
 # Every broker the contract suite runs against: (its name, the fixture it is built on, its class).
 BROKERS: list[tuple[str, str, type[BrokerUnderTest]]] = [
     ("rabbitmq", "amqp_queue", RabbitMQ),
@@ -394,6 +515,8 @@ BROKERS: list[tuple[str, str, type[BrokerUnderTest]]] = [
     ("kafka", "kafka_topic", Kafka),
     ("redis", "redis_stream", RedisStreams),
     ("mqtt", "mqtt_topics", Mqtt),
+    ("sqs", "sqs_queue", Sqs),
+    ("pubsub", "pubsub_subscription", PubSub),
 ]
 
 

@@ -14,6 +14,8 @@ import uuid
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy import select
 
 from webhook_receiver import config as cfg
@@ -27,6 +29,7 @@ from . import cloud_examples
 from .cloud_fixtures import SqsQueue, sqs_source
 from .conftest import consuming, count_events, dead_letter_count, duplicate_total, wait_until
 from .running import hold_writers
+from .test_poison import _HYPOTHESIS, _settled_total
 
 SOURCE = "jobs"
 
@@ -350,3 +353,49 @@ def test_a_wrong_sqs_forward_is_refused(table, problem):
     with pytest.raises(cfg.ConfigError) as refused:
         parse_forwards([{"name": "bus", **table}], "test")
     assert problem in str(refused.value)
+
+
+# SQS's own alphabet for text (#x9, #xA, #xD, #x20 to #xD7FF, #xE000 to #xFFFD, beyond #xFFFF).
+_SQS_TEXT = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cs",), min_codepoint=0x20).filter(
+        lambda c: c not in "\ufffe\uffff"
+    )
+    | st.sampled_from("\t\n\r"),
+    min_size=1,
+    max_size=12,
+)
+_SQS_VALUE = st.one_of(
+    _SQS_TEXT.map(lambda t: {"DataType": "String", "StringValue": t}),
+    st.binary(min_size=1, max_size=12).map(lambda b: {"DataType": "Binary", "BinaryValue": b}),
+)
+_SQS_MESSAGES = st.fixed_dictionaries(
+    {
+        "MessageBody": _SQS_TEXT,
+        "MessageAttributes": st.dictionaries(
+            st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True), _SQS_VALUE, max_size=4
+        ),
+    }
+)
+
+
+def test_arbitrary_bodies_and_attributes_never_stop_the_consumer(make_app, sqs_queue):
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    with consuming(app, SOURCE):
+
+        @_HYPOTHESIS
+        @given(_SQS_MESSAGES, _SQS_VALUE)
+        def check(entry: dict[str, Any], key: dict[str, Any]) -> None:
+            entry["MessageAttributes"]["message-id"] = key
+            before = _settled(app)
+            marker = _entry(f"marker-{uuid.uuid4().hex}", _body(0))
+            sqs_queue.send([entry, marker])
+            # The crafted message is stored or dead-lettered, and the marker behind it stored.
+            assert wait_until(lambda: _settled(app) - before >= 2, 20), entry
+
+        check()
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 10)
+
+
+def _settled(app: Any) -> float:
+    """Messages stored, counted as duplicates (an example may repeat one) or dead-lettered."""
+    return _settled_total(app, SOURCE) + duplicate_total(app)

@@ -25,8 +25,10 @@ from .jetstream import JetStreamConsumer
 from .kafka import KafkaConsumer
 from .mqtt import MqttConsumer
 from .outage import Outage
+from .pubsub import PubSubConsumer
 from .rabbitmq import RabbitConsumer
 from .redis_streams import RedisStreamConsumer
+from .sqs import SqsConsumer
 
 log = logging.getLogger("webhook_receiver.brokers")
 
@@ -41,7 +43,7 @@ class Consumer(Protocol):
 def sources_to_consume(file_config: FileConfig, names: Sequence[str]) -> list[BrokerSourceConfig]:
     """The broker sources named (all of them when none is), or ConfigError."""
     if not file_config.brokers:
-        raise ConfigError(f"{file_config.path}: no broker source (provider rabbitmq or nats)")
+        raise ConfigError(f"{file_config.path}: no broker source (provider {', '.join(ADAPTERS)})")
     if not names:
         return list(file_config.brokers.values())
     unknown = [n for n in names if n not in file_config.brokers]
@@ -57,13 +59,23 @@ def sources_to_consume(file_config: FileConfig, names: Sequence[str]) -> list[Br
 # "Adding a broker").
 ADAPTERS: dict[
     str,
-    type[RabbitConsumer | JetStreamConsumer | KafkaConsumer | RedisStreamConsumer | MqttConsumer],
+    type[
+        RabbitConsumer
+        | JetStreamConsumer
+        | KafkaConsumer
+        | RedisStreamConsumer
+        | MqttConsumer
+        | SqsConsumer
+        | PubSubConsumer
+    ],
 ] = {
     "rabbitmq": RabbitConsumer,
     "nats": JetStreamConsumer,
     "kafka": KafkaConsumer,
     "redis": RedisStreamConsumer,
     "mqtt": MqttConsumer,
+    "sqs": SqsConsumer,
+    "pubsub": PubSubConsumer,
 }
 
 
