@@ -35,7 +35,7 @@ from ..database import is_unavailable, stall_watch
 from ..inbox import Accepted, Conflict, Duplicate, Message, Outcome
 from ..observability import metrics
 from .identify import CONSUMER_ERROR, BrokerMessage, Unidentified, content_fingerprint, identify
-from .outage import Outage
+from .outage import Outage, SourceNotReady
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,18 @@ def _count(source: str, outcomes: Sequence[Outcome | Verdict]) -> None:
 
 
 class Consumer:
-    """What every broker consumer holds: its app, source, stop signal, outage log, unit of work."""
+    """What every broker consumer holds: its app, source, stop signal, outage log, unit of work.
+
+    An adapter subclasses it: ``session`` connects and then fetches, stores
+    (``prepare`` and ``store``) and settles batches until stopped or its
+    broker goes; ``run`` is the loop every adapter shares around it.
+    """
+
+    # The client's errors that mean the broker is away: the session ends, the
+    # outage is logged once and backed off, and a new session starts.
+    broker_errors: tuple[type[BaseException], ...] = (OSError,)
+    # What the source names, for the log of its absence ("queue", "stream"...).
+    source_noun = "queue"
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         self.app = app
@@ -211,7 +222,7 @@ class Consumer:
         # Each cause of outage on its own: the end of one never times another.
         self.broker = Outage(source.name, "broker")
         self.database = Outage(source.name, "database")
-        self.not_ready = Outage(source.name, "stream" if source.provider == "nats" else "queue")
+        self.not_ready = Outage(source.name, self.source_noun)
         # The unit of work, in two steps; the benchmark's bare loop puts
         # steps that identify and store nothing.
         self.prepare: Callable[
@@ -220,6 +231,29 @@ class Consumer:
         self.store: Callable[[BrokerSourceConfig, Prepared], list[Verdict]] = store
         # Messages settled so far (acked or dead-lettered), for the benchmark and tests.
         self.settled = 0
+
+    def run(self) -> None:
+        """Consume until stopped: a session at a time, backing off through outages.
+
+        A source the broker does not have yet (``SourceNotReady``) is waited
+        for; a broker error ends the session and starts another after the
+        back-off. Anything else is a bug: the runner restarts the consumer.
+        """
+        while not self.stop.is_set():
+            try:
+                self.session()
+            except SourceNotReady as exc:
+                self.stop.wait(self.not_ready.failed(exc))
+            except self.broker_errors as exc:
+                self.stop.wait(self.broker.failed(self.describe(exc)))
+
+    def session(self) -> None:
+        """Connect, then fetch, store and settle batches until stopped (each adapter's own)."""
+        raise NotImplementedError
+
+    def describe(self, exc: BaseException) -> str:
+        """An outage's error as its log line says it (with no credentials)."""
+        return f"{type(exc).__name__}: {exc}"
 
     def dead_lettered(self, verdicts: Sequence[Verdict]) -> None:
         """Count and log messages now dead-lettered (after the nack, or the copy's publish).

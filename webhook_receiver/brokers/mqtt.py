@@ -88,6 +88,8 @@ class _Session:
 class MqttConsumer(batch.Consumer):
     """Consume one MQTT source's topics (QoS 1, persistent session) until ``stop`` is set."""
 
+    broker_errors = (ConnectionLost, OSError)
+
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
         self.not_ready = Outage(source.name, "subscription")
@@ -98,16 +100,6 @@ class MqttConsumer(batch.Consumer):
             for kind, arg in [parse_broker_spec(spec, "mqtt", key)]
             if kind == "header"
         }
-
-    def run(self) -> None:
-        """Consume until stopped; reconnect and back off through outages."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except (ConnectionLost, OSError) as exc:
-                self.stop.wait(self.broker.failed(f"{type(exc).__name__}: {exc}"))
 
     # -- the connection -----------------------------------------------------------
 
@@ -142,7 +134,7 @@ class MqttConsumer(batch.Consumer):
         client.on_message = lambda _c, _u, message: session.received.append(message)
         return client
 
-    def _session(self) -> None:
+    def session(self) -> None:
         session = _Session()
         client = self._client(session)
         url = urlsplit(self.source.url)

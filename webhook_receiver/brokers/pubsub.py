@@ -64,23 +64,16 @@ Raw = Any
 class PubSubConsumer(PulledConsumer):
     """Consume one Pub/Sub subscription into the inbox until ``stop`` is set."""
 
+    broker_errors = _ERRORS
+    source_noun = "subscription"
+
     # The session's clients (thread-safe: the three stages share them), and
     # whether the subscription delivers exactly once.
     _subscriber: Any = None
     _publisher: Any = None
     _exactly_once = False
 
-    def run(self) -> None:
-        """Consume until stopped; back off through outages and a missing subscription."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except _ERRORS as exc:
-                self.stop.wait(self.broker.failed(f"{type(exc).__name__}: {exc}"))
-
-    def _session(self) -> None:
+    def session(self) -> None:
         subscriber = pubsub_v1.SubscriberClient()
         publisher: Any = None
         try:

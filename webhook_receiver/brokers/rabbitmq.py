@@ -91,19 +91,14 @@ pika.spec.props[pika.spec.BasicProperties.INDEX] = _TolerantProperties
 class RabbitConsumer(batch.Consumer):
     """Consume one RabbitMQ queue into the inbox until ``stop`` is set."""
 
+    broker_errors = _CONNECTION_ERRORS
+
+    def describe(self, exc: BaseException) -> str:
+        return _describe(exc)
+
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
         self._cancelled = False
-
-    def run(self) -> None:
-        """Consume until stopped; reconnect and back off through outages and a missing queue."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except _CONNECTION_ERRORS as exc:
-                self.stop.wait(self.broker.failed(_describe(exc)))
 
     def _connect(self) -> pika.BlockingConnection:
         params = pika.URLParameters(self.source.url)
@@ -112,7 +107,7 @@ class RabbitConsumer(batch.Consumer):
         }
         return pika.BlockingConnection(params)
 
-    def _session(self) -> None:
+    def session(self) -> None:
         connection = self._connect()
         try:
             channel = connection.channel()

@@ -86,6 +86,9 @@ def consumer_name() -> str:
 class RedisStreamConsumer(batch.Consumer):
     """Consume one Redis stream, as one consumer of the source's group, until ``stop`` is set."""
 
+    broker_errors = _ERRORS
+    source_noun = "stream"
+
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
         self.not_ready = Outage(source.name, "stream")
@@ -101,17 +104,7 @@ class RedisStreamConsumer(batch.Consumer):
         self._claim_from: bytes = b"0-0"
         self._claim_at = 0.0
 
-    def run(self) -> None:
-        """Consume until stopped; reconnect and back off through outages."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except _ERRORS as exc:
-                self.stop.wait(self.broker.failed(f"{type(exc).__name__}: {exc}"))
-
-    def _session(self) -> None:
+    def session(self) -> None:
         client = redis.Redis.from_url(
             self.source.url,
             socket_connect_timeout=CONNECT_SECONDS,

@@ -60,18 +60,10 @@ Raw = dict[str, Any]
 class SqsConsumer(PulledConsumer):
     """Consume one SQS queue (standard or FIFO) into the inbox until ``stop`` is set."""
 
+    broker_errors = _ERRORS
+
     # The session's boto3 client (thread-safe: the three stages share it).
     _sqs: Any = None
-
-    def run(self) -> None:
-        """Consume until stopped; back off through outages and a missing queue."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except _ERRORS as exc:
-                self.stop.wait(self.broker.failed(f"{type(exc).__name__}: {exc}"))
 
     def _client(self) -> Any:
         return boto3.session.Session().client(
@@ -87,7 +79,7 @@ class SqsConsumer(PulledConsumer):
             ),
         )
 
-    def _session(self) -> None:
+    def session(self) -> None:
         client = self._client()
         attributes = self._queue_attributes(client)
         visibility = int(attributes.get("VisibilityTimeout", 30))
