@@ -176,12 +176,18 @@ _Raw = tuple[Any, str | None]
 class JetStreamConsumer(batch.Consumer):
     """Consume one JetStream stream (through a durable pull consumer) until ``stop`` is set."""
 
+    source_noun = "stream"
+
     # Set while this consumer closes its own connection: nats-py's
     # disconnect callback then reports no outage.
     _closing = False
 
     def run(self) -> None:
-        """Consume until stopped; reconnect and back off through outages."""
+        """Consume until stopped; reconnect and back off through outages.
+
+        ``batch.Consumer.run``'s loop, on nats-py's event loop: the session
+        and the back-off's wait are coroutines here.
+        """
         asyncio.run(self._main())
 
     async def _main(self) -> None:
@@ -191,7 +197,7 @@ class JetStreamConsumer(batch.Consumer):
             except SourceNotReady as exc:
                 await self._pause(self.not_ready.failed(exc))
             except _ERRORS as exc:
-                await self._pause(self.broker.failed(f"{type(exc).__name__}: {exc}"))
+                await self._pause(self.broker.failed(self.describe(exc)))
 
     async def _pause(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
