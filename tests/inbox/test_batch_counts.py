@@ -21,8 +21,9 @@ from sqlalchemy.exc import DBAPIError
 from webhook_receiver import inbox
 from webhook_receiver.brokers import batch as broker_batch
 from webhook_receiver.extensions import db
-from webhook_receiver.inbox import duplicates
-from webhook_receiver.models import Event, EventConflict, EventDuplicate
+from webhook_receiver.inbox import batch_statements, batch_writes, duplicates, statements
+from webhook_receiver.inbox.rows import event_values
+from webhook_receiver.models import Event, EventConflict, EventDuplicate, utcnow
 
 from ..helpers import RABBIT_SOURCE
 from .test_positions import SOURCE, WHEN, _config, _count, _failing, _sqlite, at, message
@@ -298,3 +299,54 @@ def test_a_run_of_redeliveries_commits_its_counts_without_waiting_for_the_disk(m
         finally:
             for c in pooled:
                 c.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_batch_of_redeliveries_relaxes_only_its_own_commit(make_app):
+    # PostgreSQL: a statement that inserts no event commits without waiting
+    # for the log's flush, for its own transaction only: the pooled
+    # connections keep the server's setting for every later commit.
+    app = _app(make_app)
+    with app.app_context():
+        batch = [message(f"k{n}") for n in range(3)]
+        stored = inbox.receive_many(batch, counts_in_transaction=True, positions=[at(0, 3)])
+        inbox.receive_many(batch, counts_in_transaction=True, positions=[at(0, 6)])
+        assert _counts()[stored[0].event_id][0] == 1
+        assert inbox.stored_positions(SOURCE) == {("orders", 0): 6}
+        # Inside a transaction of the test's, the statement's own setting shows.
+        assert _commit_level_after(batch) == "off"
+        assert _commit_level_after([*batch, message("new")]) == "on"
+        pooled = [db.engine.raw_connection() for _ in range(db.engine.pool.checkedin())]
+        try:
+            assert pooled
+            for c in pooled:
+                cursor = c.driver_connection.cursor()
+                cursor.execute("SHOW synchronous_commit")
+                assert cursor.fetchone() == ("on",)
+                cursor.close()
+        finally:
+            for c in pooled:
+                c.close()
+
+
+def _commit_level_after(messages: list[inbox.Message]) -> str:
+    """``synchronous_commit`` right after the batch's statement, in a transaction rolled back."""
+    engine = db.engine
+    now = utcnow()
+    first: dict[tuple[str, str], int] = {}
+    for index, m in enumerate(messages):
+        first.setdefault((m.source, m.dedup_key), index)
+    rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
+    batch = batch_writes.Batch(messages, first, rows, now, None, {}, True)
+    pooled = engine.raw_connection()
+    driver: Any = pooled.driver_connection
+    try:
+        cursor = driver.cursor()
+        ridden = batch_statements.for_engine(engine).ridden_batch
+        batch_writes.write_postgresql(cursor, statements.for_engine(engine), batch, ridden)
+        cursor.execute("SHOW synchronous_commit")
+        (level,) = cursor.fetchone()
+        return str(level)
+    finally:
+        driver.rollback()
+        pooled.close()
