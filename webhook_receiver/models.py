@@ -273,6 +273,17 @@ class Replay(Model):
     # The count shown before the confirmation, and how many were put back since.
     matched: Mapped[int] = mapped_column(Integer)
     replayed: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Where it stops: the highest delivery id counted, and at most how many.
+    up_to: Mapped[int | None] = mapped_column(BigInteger)
+    max_count: Mapped[int | None] = mapped_column(Integer)
+    # How far it got: the last delivery id done, and how many ids it walked.
+    after_id: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    walked: Mapped[int] = mapped_column(Integer, server_default="0")
+    # After each batch it waits this many times as long as the batch took.
+    rest: Mapped[float] = mapped_column(Float, server_default="0")
+    # The process running it holds it under a lease; an expired one is resumed.
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class EntityVersion(Model):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
 from datetime import timedelta
 
 from sqlalchemy import select
 
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, DeliveryAttempt, Replay
+from webhook_receiver.processing import replay
 
 from .conftest import NOW, add, delivery, event, post, text
 
@@ -210,11 +212,23 @@ def test_a_bulk_replay_shows_the_count_then_replays_that_many(admin_app, admin):
 
     response = post(admin, "/admin/deliveries/replay", {**data, "confirm": "yes", "new_key": "yes"})
     assert response.status_code == 302 and response.headers["Location"].endswith("/admin/replays")
+    listing = text(admin.get("/admin/replays"))
+    assert "Replay 1: 4 deliveries to queue again, each with a new key." in listing
+    assert "A worker queues them in batches, in the background" in listing
+    assert "waiting for a worker" in listing
+    # Recorded, not run yet: a worker runs it.
+    [record] = replay_records(admin_app)
+    assert (record.matched, record.replayed, record.finished_at) == (4, 0, None)
+    assert all(deliveries_of(admin_app)[i][0] == "delivered" for i in ids)
+
+    with admin_app.app_context():
+        assert replay.Runner(admin_app, threading.Event(), 1.0).run_once()
     states = deliveries_of(admin_app)
     assert [states[i] for i in ids] == [("pending", 0, 1)] * 4 + [("delivered", 1, 0)]
     assert states[dead][0] == "dead"
     [record] = replay_records(admin_app)
     assert (record.matched, record.replayed, record.new_key, record.via) == (4, 4, True, "admin")
+    assert record.finished_at is not None and record.lease_token is None
     assert record.filters == {
         "consumer": "billing",
         "state": "delivered",
@@ -222,9 +236,9 @@ def test_a_bulk_replay_shows_the_count_then_replays_that_many(admin_app, admin):
         "limit": 4,
     }
     listing = text(admin.get("/admin/replays"))
-    assert "Replay 1: queued 4 deliveries again, each with a new key." in listing
     assert shown_ids(listing, "data-replay-id") == [record.id]
     assert "consumer=billing, source=stripe, state=delivered, limit=4" in listing
+    assert "waiting for a worker" not in listing
 
 
 def test_a_bulk_replay_whose_count_changed_asks_again(admin_app, admin):

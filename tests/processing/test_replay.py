@@ -1,8 +1,9 @@
-"""Replays through the CLI: one event or many by a filter, sent again to a real sink."""
+"""Replays, from the CLI or queued for a worker: one event or many, sent again to a real sink."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from datetime import timedelta
 
@@ -12,7 +13,11 @@ from sqlalchemy import select, update
 from webhook_receiver import inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, DeliveryAttempt, Replay
+from webhook_receiver.outbox import replays as outbox_replays
+from webhook_receiver.outbox.replays import Filter
+from webhook_receiver.processing import replay
 
+from ..servers import wait_until
 from .conftest import FAST, config_with, delivery, drain, forward, store_event
 
 
@@ -261,9 +266,6 @@ def test_a_bulk_replay_stops_at_its_limit_and_at_what_was_counted(
     assert replayed == early[:12]  # the first twelve by id, all audit's
 
     # A delivery made after the count is not in the replay that follows it.
-    from webhook_receiver.outbox.replays import Filter
-    from webhook_receiver.processing import replay
-
     with app.app_context():
         plan = replay.preview(Filter(consumer="billing", state="delivered"))
         assert plan.count == 50
@@ -280,9 +282,6 @@ def test_a_bulk_replay_stops_at_its_limit_and_at_what_was_counted(
 def test_batches_add_up_to_the_count(make_app, downstream, clock, batch_size):
     app = _app(make_app, downstream)
     _store_many(app, clock, 40)
-    from webhook_receiver.outbox.replays import Filter
-    from webhook_receiver.processing import replay
-
     with app.app_context():
         plan = replay.preview(Filter(consumer="billing"))
         done = replay.run(plan, actor="test", via="cli", new_key=True, batch_size=batch_size)
@@ -293,3 +292,110 @@ def test_batches_add_up_to_the_count(make_app, downstream, clock, batch_size):
     assert key_replays == {1: 40}
     [record] = replays(app)
     assert record.replayed == 40
+
+
+# -- replays run by workers (the admin's bulk replays) -------------------------
+
+
+def _delivered(app, clock, n: int) -> None:
+    _store_many(app, clock, n)
+    _set_state(app, "delivered")
+
+
+def _queue(app, **kwargs) -> int:
+    with app.app_context():
+        plan = replay.preview(Filter(consumer="billing"))
+        return replay.queue(plan, actor="admin from 127.0.0.1", via="admin", **kwargs)
+
+
+def _key_replays(app) -> Counter[int]:
+    with app.app_context():
+        found = Counter(
+            db.session.scalars(select(Delivery.key_replay).where(Delivery.consumer == "billing"))
+        )
+        db.session.rollback()
+    return found
+
+
+def test_a_running_worker_runs_a_queued_replay_in_the_background(
+    make_app, downstream, clock, make_worker
+):
+    app = _app(make_app, downstream)
+    _delivered(app, clock, 30)
+    worker = make_worker(app, clock)
+    thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        replay_id = _queue(app, new_key=True, rest=0.5)
+        assert wait_until(lambda: len(downstream.calls_to("/billing")) == 30, timeout=30)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    sent = Counter(keys(downstream, "/billing"))
+    assert len(sent) == 30 and set(sent.values()) == {1}
+    assert all(key.endswith(":replay-1") for key in sent)
+    [record] = replays(app)
+    assert (record.id, record.replayed, record.walked) == (replay_id, 30, 30)
+    assert record.finished_at is not None and record.lease_token is None
+
+
+def test_worker_drain_runs_the_queued_replays_first(make_app, downstream, clock, make_worker):
+    app = _app(make_app, downstream)
+    _delivered(app, clock, 12)
+    _queue(app)
+    with app.app_context():
+        assert make_worker(app, clock).run(drain=True, handle_signals=False) == 12
+    assert len(downstream.calls_to("/billing")) == 12
+    assert replays(app)[0].finished_at is not None
+
+
+def test_a_replay_whose_process_died_is_resumed_where_it_got_to(
+    make_app, downstream, clock, monkeypatch
+):
+    app = _app(make_app, downstream)
+    _store_many(app, clock, 25)
+    _set_state(app, "delivered")
+    real_next_ids = outbox_replays.next_ids
+    calls = []
+
+    def dies_after_two_batches(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise SystemExit("killed")
+        return real_next_ids(*args, **kwargs)
+
+    with app.app_context():
+        plan = replay.preview(Filter(consumer="billing"))
+        monkeypatch.setattr(outbox_replays, "next_ids", dies_after_two_batches)
+        with pytest.raises(SystemExit):
+            replay.run(plan, actor="cli", via="cli", new_key=True, batch_size=10, clock=clock)
+        db.session.rollback()
+        monkeypatch.setattr(outbox_replays, "next_ids", real_next_ids)
+        runner = replay.Runner(app, threading.Event(), 1.0, clock=clock)
+        # Its lease is live: nobody takes it over yet.
+        assert not runner.run_once()
+        clock.advance(replay.LEASE.total_seconds() + 1)
+        assert runner.run_once()
+    [record] = replays(app)
+    assert (record.matched, record.walked, record.replayed) == (25, 25, 25)
+    assert record.finished_at is not None
+    assert _key_replays(app) == {1: 25}  # each once: none twice, none left out
+
+
+def test_a_process_that_lost_its_lease_changes_nothing(make_app, downstream, clock):
+    app = _app(make_app, downstream)
+    _store_many(app, clock, 8)
+    _set_state(app, "delivered")
+    with app.app_context():
+        plan = replay.preview(Filter(consumer="billing"))
+        slow = replay.start(plan, actor="cli", via="cli", new_key=True, clock=clock)
+        clock.advance(replay.LEASE.total_seconds() + 1)
+        # A worker takes the replay over (its process looked dead) and runs it.
+        assert replay.Runner(app, threading.Event(), 1.0, clock=clock).run_once()
+        # The first process comes back: its batch rolls back.
+        progress = replay.resume(slow, clock=clock)
+    assert progress.finished is False and not progress.consumers
+    assert _key_replays(app) == {1: 8}
+    [record] = replays(app)
+    assert (record.walked, record.replayed) == (8, 8)

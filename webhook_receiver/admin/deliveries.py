@@ -3,9 +3,10 @@
 A bulk replay takes two steps: the filter's count on a confirmation page
 (``GET /admin/deliveries/replay``), then the replay itself (a POST with the
 CSRF token, the confirmation ticked, the count shown and the highest id
-counted). Should the count have changed between the two (a worker moved a
-delivery out of the filtered state), nothing is replayed and the page asks
-again with the new count.
+counted), which a worker runs in the background (``replay.queue``). Should
+the count have changed between the two (a worker moved a delivery out of
+the filtered state), nothing is replayed and the page asks again with the
+new count. One event's replay runs at once, in the request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.datastructures import MultiDict
 
 from ..extensions import db
+from ..models import utcnow
 from ..outbox import replays
 from ..outbox.replays import Filter
 from ..processing import replay
@@ -156,8 +158,15 @@ def replay_many() -> ResponseReturnValue:
         return _confirmation(flt, limit, changed_from=shown)
     plan = replay.Preview(flt, now, up_to, limit or MAX_REPLAY)
     new_key = request.form.get("new_key") == "yes"
-    done = replay.run(plan, actor=_actor(), via=replays.VIA_ADMIN, new_key=new_key)
-    flash(_done_message(done, new_key), "success" if done.replayed else "warning")
+    # Run by a worker in the background: 100,000 deliveries, in batches that
+    # rest to leave the database to the intake, outlast a request.
+    replay_id = replay.queue(plan, actor=_actor(), via=replays.VIA_ADMIN, new_key=new_key)
+    flash(
+        f"Replay {replay_id}: {_plural(now)} to queue again"
+        + (", each with a new key" if new_key else f" ({replay.SAME_KEY_WARNING})")
+        + ". A worker queues them in batches, in the background: its progress is below.",
+        "success",
+    )
     return redirect(url_for("admin.replays"))
 
 
@@ -191,4 +200,4 @@ def _done_message(done: replay.Done, new_key: bool) -> str:
 def replays_list() -> str:
     """List replays, newest first: who asked, when, for what, and how many went again."""
     page = delivery_queries.list_replays(limit=_page_size(), **_cursors())
-    return render_template("admin/replays.html", page=page, pager=_pager(page))
+    return render_template("admin/replays.html", page=page, pager=_pager(page), now=utcnow())

@@ -80,5 +80,7 @@ def list_replays(*, limit: int, before: Cursor | None = None, after: Cursor | No
         r.new_key,
         r.matched,
         r.replayed,
+        r.walked,
+        r.lease_expires_at,
     )
     return keyset_page(stmt, r.created_at, r.id, limit=limit, before=before, after=after)

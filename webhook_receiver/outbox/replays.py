@@ -13,20 +13,34 @@ before the confirmation, how many were replayed), and each delivery it
 queued names it (``replay_id``), as do the attempts that follow.
 
 A bulk replay walks the matching deliveries by id, in batches: one read of
-the next batch's ids, then one short transaction that moves them and adds
-them to the record's count. ``up_to`` (the highest matching id when the
-count was shown) keeps deliveries made since out of it. Data access only:
-the caller commits each batch.
+the next batch's ids, then one short transaction that moves them and
+records how far it got (``advance``). ``up_to`` (the highest matching id
+when the count was shown) keeps deliveries made since out of it. The
+process running a replay holds it under a lease, renewed by each batch and
+fencing its writes: a replay whose process died is claimed by a worker and
+resumed after its last batch (``claim``). Data access only: the caller
+commits each batch.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, Select, func, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    CursorResult,
+    Select,
+    and_,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 
 from ..extensions import db
 from ..models import Delivery, Event, Replay
@@ -92,6 +106,23 @@ class Filter:
         if self.until is not None:
             found.append(Event.received_at < self.until)
         return found
+
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> Filter:
+        """The filter a replay's record keeps (``to_json``)."""
+        times = {
+            name: datetime.fromisoformat(found[name]) if found.get(name) else None
+            for name in ("since", "until")
+        }
+        return cls(
+            event_id=found.get("event_id"),
+            consumer=found.get("consumer", ""),
+            source=found.get("source", ""),
+            event_type=found.get("event_type", ""),
+            state=found.get("state", ""),
+            since=times["since"],
+            until=times["until"],
+        )
 
     def joins_events(self) -> bool:
         return bool(self.source or self.event_type or self.since or self.until)
@@ -168,6 +199,21 @@ def requeue(ids: Sequence[int], now: datetime, replay_id: int, *, new_key: bool)
     )
 
 
+@dataclass(frozen=True)
+class Held:
+    """A replay this process runs under a lease: what it takes and how far it got."""
+
+    id: int
+    token: str
+    filter: Filter
+    new_key: bool
+    up_to: int | None
+    max_count: int | None
+    after_id: int
+    walked: int
+    rest: float
+
+
 def create(
     *,
     actor: str,
@@ -175,14 +221,22 @@ def create(
     flt: Filter,
     new_key: bool,
     matched: int,
+    up_to: int | None,
     limit: int | None,
+    rest: float,
     now: datetime,
-) -> int:
-    """Record a replay before its first batch; the caller commits. Returns its id."""
+    lease: timedelta | None = None,
+) -> Held:
+    """Record a replay before its first batch; the caller commits.
+
+    With ``lease``, the caller holds it and runs it now; without, it waits
+    for a worker to claim it.
+    """
     filters = flt.to_json()
     if limit is not None:
         filters["limit"] = limit
-    return int(
+    token = secrets.token_hex(16)
+    replay_id = int(
         db.session.execute(
             insert(_r)
             .values(
@@ -193,28 +247,111 @@ def create(
                 new_key=new_key,
                 matched=matched,
                 replayed=0,
+                up_to=up_to,
+                max_count=limit,
+                after_id=0,
+                walked=0,
+                rest=rest,
+                lease_token=token if lease is not None else None,
+                lease_expires_at=now + lease if lease is not None else None,
             )
             .returning(_r.c.id)
         ).scalar_one()
     )
+    return Held(replay_id, token, flt, new_key, up_to, limit, 0, 0, rest)
 
 
-def add_replayed(replay_id: int, n: int) -> None:
-    """Count ``n`` more deliveries replayed, in the batch's transaction."""
-    if n:
-        db.session.execute(
-            update(_r).where(_r.c.id == replay_id).values(replayed=_r.c.replayed + n)
-        )
-
-
-def finish(replay_id: int, now: datetime) -> bool:
-    """Mark the replay done; the caller commits."""
-    result = db.session.execute(
-        update(_r).where(_r.c.id == replay_id, _r.c.finished_at.is_(None)).values(finished_at=now)
+def _free(now: datetime) -> ColumnElement[bool]:
+    return and_(
+        _r.c.finished_at.is_(None),
+        or_(_r.c.lease_expires_at.is_(None), _r.c.lease_expires_at <= now),
     )
-    return cast(CursorResult[Any], result).rowcount == 1
+
+
+def waiting(now: datetime) -> bool:
+    """Tell whether a replay waits for a process to run it (a read: no write lock asked)."""
+    return db.session.scalar(select(_r.c.id).where(_free(now)).limit(1)) is not None
+
+
+def claim(now: datetime, lease: timedelta) -> Held | None:
+    """Claim the oldest unfinished replay no live process holds; the caller commits."""
+    token = secrets.token_hex(16)
+    free = _free(now)
+    pick = select(_r.c.id).where(free).order_by(_r.c.id).limit(1).with_for_update(skip_locked=True)
+    row = db.session.execute(
+        update(_r)
+        .where(_r.c.id == pick.scalar_subquery(), free)
+        .values(lease_token=token, lease_expires_at=now + lease)
+        .returning(
+            _r.c.id,
+            _r.c.filters,
+            _r.c.new_key,
+            _r.c.up_to,
+            _r.c.max_count,
+            _r.c.after_id,
+            _r.c.walked,
+            _r.c.rest,
+        )
+    ).one_or_none()
+    if row is None:
+        return None
+    return Held(
+        row.id,
+        token,
+        Filter.from_json(row.filters),
+        row.new_key,
+        row.up_to,
+        row.max_count,
+        row.after_id,
+        row.walked,
+        row.rest,
+    )
+
+
+def advance(
+    held: Held, *, after_id: int, walked: int, replayed: int, lease_until: datetime
+) -> bool:
+    """Record a batch's progress in its transaction, renewing the lease; False if lost.
+
+    Fenced by the lease token: a process whose lease was taken over writes
+    nothing, and its batch must roll back.
+    """
+    result = db.session.execute(
+        update(_r)
+        .where(_r.c.id == held.id, _r.c.lease_token == held.token)
+        .values(
+            after_id=after_id,
+            walked=_r.c.walked + walked,
+            replayed=_r.c.replayed + replayed,
+            lease_expires_at=lease_until,
+        )
+    )
+    return _rowcount(result) == 1
+
+
+def finish(held: Held, now: datetime) -> bool:
+    """Mark the replay done, letting its lease go; False if it was lost. The caller commits."""
+    result = db.session.execute(
+        update(_r)
+        .where(_r.c.id == held.id, _r.c.lease_token == held.token, _r.c.finished_at.is_(None))
+        .values(finished_at=now, lease_token=None, lease_expires_at=None)
+    )
+    return _rowcount(result) == 1
+
+
+def release(held: Held) -> None:
+    """Let another process resume the replay at once (this one stops); the caller commits."""
+    db.session.execute(
+        update(_r)
+        .where(_r.c.id == held.id, _r.c.lease_token == held.token)
+        .values(lease_token=None, lease_expires_at=None)
+    )
 
 
 def get(replay_id: int) -> Replay | None:
     """One replay's record."""
     return db.session.get(Replay, replay_id)
+
+
+def _rowcount(result: Any) -> int:
+    return cast(CursorResult[Any], result).rowcount

@@ -3,25 +3,34 @@
 :func:`preview` counts what a filter takes (at most ``limit``) and notes the
 highest matching delivery id, so that the replay that follows the
 operator's confirmation takes the deliveries counted, not those made since.
-:func:`run` records the replay, then moves the deliveries back in the queue
-(``outbox.replays.requeue``) in batches: a read of the next batch's ids,
-then one short transaction per batch, so a replay of 100,000 deliveries
-never holds a long transaction, and a rest after each batch (``rest``
-times as long as the batch took) leaves the database to the intake. The
-worker then sends them as any other pending delivery, with the same
-Idempotency-Key, or ``:replay-<n>`` after it when a new key was asked for.
+:func:`run` records the replay and runs it in this process (the CLI, one
+event's replay); :func:`queue` records it for a worker, whose
+:class:`Runner` thread runs it in the background (the admin's bulk
+replays, which would outlast a request). Either way :func:`resume` moves
+the deliveries back in the queue (``outbox.replays.requeue``) in batches:
+a read of the next batch's ids, then one short transaction per batch, so a
+replay of 100,000 deliveries never holds a long transaction, and a rest
+after each batch (``rest`` times as long as the batch took) leaves the
+database to the intake. The process running it holds it under a lease that
+each batch renews: one that died is resumed by a worker after its last
+batch. The worker then sends the deliveries as any other pending ones,
+with the same Idempotency-Key, or ``:replay-<n>`` after it when a new key
+was asked for.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from ..database import end_read, unit_of_work
+from flask import Flask
+
+from ..database import end_read, is_unavailable, unit_of_work
 from ..events import get_event
 from ..extensions import db
 from ..models import utcnow
@@ -31,8 +40,10 @@ from ..outbox.replays import Filter
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 500
-# After each batch, wait this many times as long as it took (see run).
+# After each batch, wait this many times as long as it took (see resume).
 REST = 0.0
+# A replay's process holds it this long past its last batch; then a worker resumes it.
+LEASE = timedelta(seconds=60)
 SAME_KEY_WARNING = (
     "the Idempotency-Key (message id) is kept: a downstream that deduplicates on it "
     "will drop the replay; ask for a new key to have it taken as new"
@@ -81,68 +92,164 @@ def preview(flt: Filter, *, limit: int | None = None) -> Preview:
     return Preview(flt, count, up_to, limit)
 
 
+def start(
+    plan: Preview,
+    *,
+    actor: str,
+    via: str,
+    new_key: bool = False,
+    rest: float = REST,
+    clock: Callable[[], datetime] = utcnow,
+    hold: bool = True,
+) -> replays.Held:
+    """Record the replay; with ``hold`` this process runs it now, else a worker will."""
+    if rest < 0:
+        raise ValueError("rest must not be negative")
+    with unit_of_work():
+        return replays.create(
+            actor=actor,
+            via=via,
+            flt=plan.filter,
+            new_key=new_key,
+            matched=plan.count,
+            up_to=plan.up_to,
+            limit=plan.limit,
+            rest=rest,
+            now=clock(),
+            lease=LEASE if hold else None,
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one process did of a replay: the deliveries it queued again, by consumer."""
+
+    consumers: Counter[str]
+    # False when it stopped before the end (asked to, or its lease was lost).
+    finished: bool
+
+
+class _LeaseLost(Exception):
+    """Another process took the replay over: this batch must not commit."""
+
+
+def resume(
+    held: replays.Held,
+    *,
+    clock: Callable[[], datetime] = utcnow,
+    batch_size: int = BATCH_SIZE,
+    stop: threading.Event | None = None,
+) -> Progress:
+    """Run a held replay from where it got to, a batch per transaction, to its end.
+
+    After each batch it waits ``held.rest`` times as long as the batch took,
+    so that the intake keeps the database most of the time. ``stop`` ends it
+    after a batch, letting another process resume it.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    consumers: Counter[str] = Counter()
+    after, walked = held.after_id, held.walked
+    while held.up_to is not None:
+        if stop is not None and stop.is_set():
+            with unit_of_work():
+                replays.release(held)
+            return Progress(consumers, finished=False)
+        size = batch_size if held.max_count is None else min(batch_size, held.max_count - walked)
+        if size <= 0:
+            break
+        started = time.monotonic()
+        ids = replays.next_ids(held.filter, after=after, up_to=held.up_to, size=size)
+        end_read()
+        if not ids:
+            break
+        try:
+            with unit_of_work():
+                now = clock()
+                moved = replays.requeue(ids, now, held.id, new_key=held.new_key)
+                if not replays.advance(
+                    held,
+                    after_id=ids[-1],
+                    walked=len(ids),
+                    replayed=len(moved),
+                    lease_until=now + LEASE,
+                ):
+                    raise _LeaseLost()
+        except _LeaseLost:
+            log.warning("replay %s: taken over by another process, stopping", held.id)
+            return Progress(consumers, finished=False)
+        consumers.update(row.consumer for row in moved)
+        walked += len(ids)
+        after = ids[-1]
+        if len(ids) < size:
+            break
+        if held.rest:
+            pause = held.rest * (time.monotonic() - started)
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
+    with unit_of_work():
+        finished = replays.finish(held, clock())
+    return Progress(consumers, finished)
+
+
 def run(
     plan: Preview,
     *,
     actor: str,
     via: str,
     new_key: bool = False,
+    rest: float = REST,
     clock: Callable[[], datetime] = utcnow,
     batch_size: int = BATCH_SIZE,
-    rest: float = REST,
 ) -> Done:
-    """Record the replay and queue its deliveries again, a batch per transaction.
+    """Record the replay and run it here, to its end (the CLI, one event's replay)."""
+    held = start(plan, actor=actor, via=via, new_key=new_key, rest=rest, clock=clock)
+    progress = resume(held, clock=clock, batch_size=batch_size)
+    done = Done(held.id, plan.count, sum(progress.consumers.values()), progress.consumers)
+    _log_done(done, actor, via, plan, new_key)
+    return done
 
-    After each batch it waits ``rest`` times as long as the batch took, so
-    that the intake keeps the database most of the time.
-    """
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
-    if rest < 0:
-        raise ValueError("rest must not be negative")
-    with unit_of_work():
-        replay_id = replays.create(
-            actor=actor,
-            via=via,
-            flt=plan.filter,
-            new_key=new_key,
-            matched=plan.count,
-            limit=plan.limit,
-            now=clock(),
-        )
-    consumers: Counter[str] = Counter()
-    seen = 0
-    after = 0
-    while plan.up_to is not None:
-        size = batch_size if plan.limit is None else min(batch_size, plan.limit - seen)
-        if size <= 0:
-            break
-        started = time.monotonic()
-        ids = replays.next_ids(plan.filter, after=after, up_to=plan.up_to, size=size)
-        end_read()
-        if not ids:
-            break
-        with unit_of_work():
-            moved = replays.requeue(ids, clock(), replay_id, new_key=new_key)
-            replays.add_replayed(replay_id, len(moved))
-        consumers.update(row.consumer for row in moved)
-        seen += len(ids)
-        after = ids[-1]
-        if len(ids) < size:
-            break
-        if rest:
-            time.sleep(rest * (time.monotonic() - started))
-    with unit_of_work():
-        replays.finish(replay_id, clock())
-    done = Done(replay_id, plan.count, sum(consumers.values()), consumers)
+
+def queue(
+    plan: Preview,
+    *,
+    actor: str,
+    via: str,
+    new_key: bool = False,
+    rest: float = REST,
+    clock: Callable[[], datetime] = utcnow,
+) -> int:
+    """Record the replay for a worker to run in the background (the admin); its id."""
+    held = start(plan, actor=actor, via=via, new_key=new_key, rest=rest, clock=clock, hold=False)
+    log.info(
+        "replay %s by %s: %d deliveries to queue again, by a worker",
+        held.id,
+        actor,
+        plan.count,
+        extra={
+            "replay_id": held.id,
+            "actor": actor,
+            "via": via,
+            "filters": plan.filter.to_json(),
+            "limit": plan.limit,
+            "new_key": new_key,
+            "matched": plan.count,
+        },
+    )
+    return held.id
+
+
+def _log_done(done: Done, actor: str, via: str, plan: Preview, new_key: bool) -> None:
     log.info(
         "replay %s by %s: %d of %d deliveries queued again",
-        replay_id,
+        done.replay_id,
         actor,
         done.replayed,
         done.matched,
         extra={
-            "replay_id": replay_id,
+            "replay_id": done.replay_id,
             "actor": actor,
             "via": via,
             "filters": plan.filter.to_json(),
@@ -150,10 +257,87 @@ def run(
             "new_key": new_key,
             "matched": done.matched,
             "replayed": done.replayed,
-            "consumers": dict(consumers),
+            "consumers": dict(done.consumers),
         },
     )
-    return done
+
+
+class Runner:
+    """Runs the replays queued for a worker (and any whose process died), one at a time.
+
+    In a thread of the worker process of its own (``start``), or in the
+    caller's thread until none is left (``run_all``, for ``worker --drain``).
+    """
+
+    def __init__(
+        self,
+        app: Flask,
+        stop: threading.Event,
+        poll_seconds: float,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.app = app
+        self.stop = stop
+        self.poll_seconds = poll_seconds
+        self.clock = clock
+        self._thread: threading.Thread | None = None
+
+    def run_once(self) -> bool:
+        """Claim one replay and run it to its end (or a stop); False if none was waiting."""
+        try:
+            # A read first: most polls find nothing, and ask for no write lock.
+            found = replays.waiting(self.clock())
+        finally:
+            db.session.rollback()
+        if not found:
+            return False
+        with unit_of_work():
+            held = replays.claim(self.clock(), LEASE)
+        if held is None:
+            return False
+        progress = resume(held, clock=self.clock, stop=self.stop)
+        log.info(
+            "replay %s: %d deliveries queued again by this worker%s",
+            held.id,
+            sum(progress.consumers.values()),
+            "" if progress.finished else " (stopped before its end)",
+            extra={"replay_id": held.id, "consumers": dict(progress.consumers)},
+        )
+        return True
+
+    def run_all(self) -> None:
+        """Run every waiting replay here, one after the other. Needs an app context."""
+        while not self.stop.is_set() and self.run_once():
+            pass
+
+    def start(self) -> None:
+        """Run waiting replays in a thread until ``stop`` is set."""
+        self._thread = threading.Thread(target=self._loop, name="replays", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the thread to end (after ``stop``): its batch in hand commits first."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        with self.app.app_context():
+            try:
+                while not self.stop.is_set():
+                    try:
+                        ran = self.run_once()
+                    except Exception as exc:
+                        db.session.rollback()
+                        ran = False
+                        if is_unavailable(exc):
+                            log.warning("replays: database unavailable, retrying: %s", exc)
+                        else:
+                            log.exception("replays: unexpected error")
+                    if not ran:
+                        self.stop.wait(self.poll_seconds)
+            finally:
+                db.session.remove()
 
 
 def replay_event(

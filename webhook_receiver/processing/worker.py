@@ -51,7 +51,7 @@ from ..models import Event, utcnow
 from ..outbox import circuits, deliveries, ordering
 from ..outbox.deliveries import Claim
 from . import attempts as attempt_log
-from . import backoff, forwarding, limits, publishers, registry
+from . import backoff, forwarding, limits, publishers, registry, replay
 from .handlers import PermanentFailure
 from .outcomes import DEAD, DELIVERED, LEASE_LOST, RETRY, SKIPPED, AttemptOutcome
 from .registry import Consumer
@@ -144,10 +144,19 @@ class Worker:
         """
         previous = self._install_signals() if handle_signals else {}
         slots = self._slots = _Slots(self, self.threads)
+        replayer = replay.Runner(
+            self.app, self._stop, max(self.poll_seconds, 1.0), clock=self.clock
+        )
         pause = self.poll_seconds
         try:
             with self.app.app_context():
                 log.info("worker %s started", self.name, extra={"worker": self.name})
+                # Replays queued for a worker (the admin's bulk replays): in a
+                # thread of their own, or all of them first when draining.
+                if drain:
+                    replayer.run_all()
+                else:
+                    replayer.start()
                 slots.start()
                 try:
                     while slots.wait_for_a_free_thread(self._stop):
@@ -173,6 +182,7 @@ class Worker:
                             slots.wait_for_a_change(self.poll_seconds)
                 finally:
                     slots.close()  # the deliveries in hand finish first
+                    replayer.join()
                 log.info("worker %s stopped", self.name, extra={"worker": self.name})
         finally:
             self._slots = None
