@@ -2,7 +2,11 @@
 
 Deliveries per second to a loopback downstream (HTTP forwards) and handler
 executions per second, on SQLite and PostgreSQL, with 1 and 2 worker
-processes (``flask --app wsgi worker``). Each case stores ``--deliveries``
+processes (``flask --app wsgi worker``). Forwards run three ways in the same
+run: as configured by default (the circuit breaker on: its read before each
+call), with ``circuit_breaker = false`` (no read: the worker as it was
+before circuit breakers), and with a ``max_per_second`` too high to hold
+anything back (the rate limit's slot, one UPDATE per call). Each case stores ``--deliveries``
 events in one transaction while the workers already wait, then times until
 every delivery is delivered; every case is bounded by ``--timeout``.
 
@@ -39,6 +43,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SECRET_KEY = "bench-secret-key-0123456789abcdef"
 FORWARD_SOURCE = "bench-forward"
 HANDLER_SOURCE = "bench-handler"
+# Each case's source: its forward (or handler) is all that differs.
+KINDS = {
+    "forward, no circuit breaker": "bench-forward-plain",
+    "forward": FORWARD_SOURCE,
+    "forward, max_per_second": "bench-forward-limited",
+    "handler": HANDLER_SOURCE,
+}
+# The forwards' settings besides their URL, by source.
+FORWARD_SETTINGS = {
+    "bench-forward-plain": ["circuit_breaker = false"],
+    FORWARD_SOURCE: [],
+    "bench-forward-limited": ["max_per_second = 100000"],
+}
 
 
 @handler(source=HANDLER_SOURCE, name="bench-noop")
@@ -91,17 +108,23 @@ def downstream() -> Iterator[str]:
 
 
 def config_toml(url: str) -> str:
-    return "\n".join(
-        [
-            'handlers = ["bench.worker"]',
-            f"[sources.{FORWARD_SOURCE}]",
+    forwards = []
+    for source, settings in FORWARD_SETTINGS.items():
+        forwards += [
+            f"[sources.{source}]",
             'provider = "generic"',
             'secrets = ["bench-secret-0123456789"]',
             'signature_header = "X-Signature"',
-            f"[[sources.{FORWARD_SOURCE}.forward]]",
+            f"[[sources.{source}.forward]]",
             'name = "downstream"',
             f"url = {json.dumps(url)}",
             "timeout_seconds = 5",
+            *settings,
+        ]
+    return "\n".join(
+        [
+            'handlers = ["bench.worker"]',
+            *forwards,
             f"[sources.{HANDLER_SOURCE}]",
             'provider = "generic"',
             'secrets = ["bench-secret-0123456789"]',
@@ -196,7 +219,7 @@ def run_case(
     from webhook_receiver.extensions import db
     from webhook_receiver.models import Delivery
 
-    source = FORWARD_SOURCE if kind == "forward" else HANDLER_SOURCE
+    source = KINDS[kind]
     procs = start_workers(workers, env, logs)
     try:
         # Let the workers import and connect before the clock starts.
@@ -269,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             with app.app_context():
                 upgrade()
             try:
-                for kind in ("forward", "handler"):
-                    for workers in (1, 2):
+                # Each worker count's kinds one after the other: the forwards'
+                # three ways are compared within minutes of each other.
+                for workers in (1, 2):
+                    for kind in KINDS:
                         seconds = run_case(
                             app,
                             env_for(db_url, config_path),
