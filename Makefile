@@ -56,8 +56,13 @@ stop:
 	@if [ -f $(PIDFILE) ]; then $(PY) bin/supervise.py --pidfile $(PIDFILE) --stop; \
 	else echo "not running (no $(PIDFILE))"; fi
 
+# In parallel processes (pytest-xdist: each has its own PostgreSQL database
+# and starts its own test brokers), then, alone, the tests that measure a rate
+# or a latency (marked serial), so that the others' load cannot skew them.
+TEST_WORKERS ?= 4
 test: $(VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

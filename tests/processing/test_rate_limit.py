@@ -28,7 +28,8 @@ from webhook_receiver import inbox
 from ..servers import BIN, ROOT, app_env, wait_until
 from .conftest import SOURCE, Clock, config_with, delivery_rows, forward
 
-pytestmark = pytest.mark.slow
+# Measures a rate over time: run alone (make test runs serial tests after the rest).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RATE = 20
 SECONDS = 10

@@ -11,8 +11,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from ..servers import wait_until
 from .conftest import FAST, config_with, delivery_rows, forward, store_event
+
+# Measures rates: run alone (make test runs serial tests after the rest).
+pytestmark = pytest.mark.serial
 
 HEALTHY = 40
 STALLED = 3
