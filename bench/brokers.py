@@ -63,6 +63,8 @@ class Row:
     rates: list[float]
     # The same round's rate over its bare loop's (none for the bare loop).
     ratios: list[float] | None = None
+    # What the ratios are over, when not the bare loop (Kafka's stored runs: its floor).
+    versus: str = ""
 
     @property
     def rate(self) -> float:
@@ -192,7 +194,7 @@ def _bare_prepare(source: Any, raws: list[Any], to_delivery: Any) -> Any:
     return Prepared([], [Verdict(ACK) for _ in map(to_delivery, raws)])
 
 
-def _bare_store(source: Any, prepared: Any) -> list[Any]:
+def _bare_store(source: Any, prepared: Any, **_positions: Any) -> list[Any]:
     return list(prepared.verdicts)
 
 
@@ -262,6 +264,8 @@ def run_broker(
     broker: str, db: str, db_url: str, count: int, batches: list[int], rounds: int
 ) -> list[Row]:
     rows: list[Row] = []
+    if broker == "kafka":
+        return _run_kafka(db, db_url, count, batches, rounds)
     for size in batches:
         n = count if size >= 10 else max(500, count // 20)
         rates: dict[str, list[float]] = {"bare": [], "unique": [], "redeliveries": []}
@@ -277,6 +281,31 @@ def run_broker(
                 ratios = [rate / base for rate, base in zip(measured, rates["bare"], strict=True)]
             rows.append(Row(broker, db, scenario, size, n, measured, ratios))
         print(*map(_line, rows[-3:]), sep="\n", flush=True)
+    return rows
+
+
+def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int) -> list[Row]:
+    """Kafka's rows: the two bare loops, then the stored runs over the storing one (floor)."""
+    from .brokers_kafka import kafka_times
+
+    rows: list[Row] = []
+    for size in batches:
+        n = count if size >= 10 else max(500, count // 20)
+        rates: dict[str, list[float]] = {"bare": [], "floor": [], "unique": [], "redeliveries": []}
+        for _ in range(rounds):
+            times = kafka_times(db_url, n, size, make_app, (_bare_prepare, _bare_store), _body)
+            rates["bare"].append(n / ((times["bare"] + times["bare-after"]) / 2))
+            rates["floor"].append(n / times["floor"])
+            rates["unique"].append(n / times["unique"])
+            rates["redeliveries"].append(n / times["again"])
+        for scenario, measured in rates.items():
+            base = {"floor": "bare", "unique": "floor", "redeliveries": "floor"}.get(scenario)
+            ratios = None
+            if base is not None:
+                ratios = [rate / b for rate, b in zip(measured, rates[base], strict=True)]
+            versus = "floor" if base == "floor" else ""
+            rows.append(Row("kafka", db, scenario, size, n, measured, ratios, versus))
+        print(*map(_line, rows[-4:]), sep="\n", flush=True)
     return rows
 
 
@@ -343,6 +372,8 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
 
 def _line(row: Row) -> str:
     ratio = f"{row.ratio:.2f}" if row.ratio is not None else ""
+    if ratio and row.versus:
+        ratio += f" (vs {row.versus})"
     spread = f"{min(row.rates):,.0f}-{max(row.rates):,.0f}"
     return (
         f"| {row.broker} | {row.db} | {row.scenario} | {row.batch} | {row.count} | "
@@ -376,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--broker",
-        choices=["rabbitmq", "nats", "redis", "mqtt", "sqs", "pubsub", "both"],
+        choices=["rabbitmq", "nats", "redis", "mqtt", "sqs", "pubsub", "kafka", "both"],
         default="both",
     )
     parser.add_argument("--db", choices=["sqlite", "postgresql", "both"], default="both")
@@ -390,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     brokers = ["rabbitmq", "nats"] if args.broker == "both" else [args.broker]
     dbs = ["sqlite", "postgresql"] if args.db == "both" else [args.db]
     batches = [1, 10, 100, 500] if args.curve else [args.batch]
+    if args.curve and "kafka" in brokers:
+        batches.append(2000)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logging.basicConfig(level=logging.WARNING)

@@ -244,13 +244,36 @@ class KafkaConsumer(batch.Consumer):
             if self._paused_until is not None and not self._resume_when_due(consumer):
                 continue
             wait = BATCH_WAIT_SECONDS if self._inflight is not None else IDLE_WAIT_SECONDS
-            records = self._usable(consumer.consume(self.source.batch, wait))
+            records = self._usable(self._take(consumer, wait))
             if self.broker.since is not None:
                 self._probe_broker(consumer, bool(records))
+            # Identified here while the batch before is stored (CPU beside I/O).
+            prepared = self.prepare(self.source, records, self._broker_message) if records else None
             if self._inflight is not None and not self._settle_inflight(records):
                 continue  # the database was away: those records were dropped too
-            if records:
-                self._submit(records)
+            if prepared is not None:
+                self._submit(records, prepared)
+
+    def _take(self, consumer: Any, wait: float) -> list[Message]:
+        """Up to a batch of records: what came within ``wait``, then more for BATCH_WAIT_SECONDS.
+
+        One consume() hands over what one fetch brought (a few record
+        batches, as the producers wrote them); a batch of the source's size
+        is gathered over several, so that one transaction stores it.
+        """
+        records: list[Message] = consumer.consume(self.source.batch, wait)
+        if not records:
+            return records
+        deadline = time.monotonic() + BATCH_WAIT_SECONDS
+        while len(records) < self.source.batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            more = consumer.consume(self.source.batch - len(records), left)
+            if not more:
+                break
+            records += more
+        return records
 
     def _usable(self, records: list[Message]) -> list[Message]:
         """The records to store: none of a partition released during the consume()."""
@@ -279,13 +302,12 @@ class KafkaConsumer(batch.Consumer):
 
     # -- storing and settling -------------------------------------------------------
 
-    def _submit(self, records: list[Message]) -> None:
+    def _submit(self, records: list[Message], prepared: batch.Prepared) -> None:
         assert self._pool is not None
-        self._inflight = (records, self._pool.submit(self._store, records))
+        self._inflight = (records, self._pool.submit(self._store, records, prepared))
 
-    def _store(self, records: list[Message]) -> _Stored:
-        """The storing thread: identify, copy poison records out, store with the offsets."""
-        prepared = self.prepare(self.source, records, self._broker_message)
+    def _store(self, records: list[Message], prepared: batch.Prepared) -> _Stored:
+        """The storing thread: copy poison records out, store the batch with its offsets."""
         next_offsets = _next_offsets(records)
         poison = [
             (record, verdict)
