@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from webhook_receiver import database, inbox
 from webhook_receiver.database_driver import DriverStatement, FastPathError
 from webhook_receiver.extensions import db
-from webhook_receiver.inbox import logs, statements
+from webhook_receiver.inbox import logs, statements, tables
 from webhook_receiver.models import Delivery, Event, EventConflict
 
 from ..conftest import CLIENTS
@@ -628,7 +628,7 @@ def test_a_batch_larger_than_one_statement_is_stored_in_chunks(make_app):
             first = inbox.receive_many([message(f"c-{n}") for n in range(4)])
             again = inbox.receive_many([message(f"c-{n}") for n in range(2, 9)] + [message("c-8")])
         finally:
-            batch.chunk = batch.MAX_PARAMETERS // len(statements.EVENT_COLUMNS)
+            batch.chunk = batch.MAX_PARAMETERS // len(tables.EVENT_COLUMNS)
         assert all(isinstance(o, inbox.Accepted) for o in first)
         assert again[:2] == [inbox.Duplicate(first[2].event_id), inbox.Duplicate(first[3].event_id)]
         assert all(isinstance(o, inbox.Accepted) for o in again[2:7])

@@ -7,7 +7,7 @@ and its redeliveries' counts (``event_duplicates`` rows), so that a
 consumer acknowledges no message whose count is not written. The plain
 statements here serve every path's transaction (the counts' are in
 duplicates.py); on PostgreSQL :class:`RiddenBatch` folds the riders into
-the batch's one statement (``statements.BatchRows``) as more CTEs,
+the batch's one statement (``batch_rows.BatchRows``) as more CTEs,
 keeping it one round trip.
 """
 
@@ -24,9 +24,9 @@ from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
 from ..models import BrokerPosition, UTCDateTime
+from .batch_rows import BatchRows
 from .messages import Message
 from .rows import Position
-from .statements import BatchRows
 from .statements import for_engine as statements_for_engine
 
 positions = BrokerPosition.__table__

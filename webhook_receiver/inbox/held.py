@@ -27,8 +27,8 @@ from sqlalchemy.exc import IntegrityError
 from ..database_driver import DriverStatement, driver_cursor
 from ..extensions import db
 from .rows import insert_event, receipt_params
-from .statements import events as events_table
 from .statements import for_engine, receive_if, reserved_id_is_current
+from .tables import events as events_table
 
 
 @dataclass(frozen=True)

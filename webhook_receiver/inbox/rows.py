@@ -21,7 +21,8 @@ from sqlalchemy.engine import Connection
 
 from ..outbox.deliveries import new_delivery_columns
 from .messages import Message
-from .statements import CONFLICT_COLUMNS, Statements
+from .statements import Statements
+from .tables import CONFLICT_COLUMNS
 
 EXTENSION = "webhook_receiver.inbox"
 

@@ -10,22 +10,20 @@ path of the contract tests; the fast paths:
 - PostgreSQL, one message: the read, the insert and the deliveries are one
   statement (CTEs), run on the driver in its own transaction: one round trip.
 - PostgreSQL, a batch: the same in one statement over the rows as one
-  JSON parameter (:class:`BatchRows`), inside the batch's transaction.
+  JSON parameter (``batch_rows.BatchRows``), inside the batch's transaction.
+
+The tables and their columns are in tables.py, a batch's row builders in
+batch_rows.py.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     Integer,
-    LargeBinary,
     String,
     bindparam,
     func,
@@ -38,40 +36,17 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
-from ..database_driver import DriverStatement, FastPathError
-from ..models import Delivery, Event, EventConflict, UTCDateTime, utcnow
-from ..outbox.deliveries import new_delivery_columns
-
-events = Event.__table__
-deliveries = Delivery.__table__
-conflicts = EventConflict.__table__
-
-# The columns an intake's message fills; id is the database's.
-EVENT_COLUMNS = (
-    "source",
-    "dedup_key",
-    "event_type",
-    "fingerprint",
-    "content_type",
-    "body",
-    "headers",
-    "meta",
-    "correlation_id",
-    "client",
-    "received_at",
+from ..database_driver import DriverStatement
+from .batch_rows import BatchRows, SqliteBatch
+from .tables import (
+    DELIVERY_DEFAULTS,
+    EVENT_COLUMNS,
+    conflicts,
+    deliveries,
+    events,
 )
-# A new delivery's columns: its event, consumer and kind, then the defaults.
-DELIVERY_DEFAULTS = tuple(new_delivery_columns(utcnow()))
-DELIVERY_COLUMNS = ("consumer", "kind", *DELIVERY_DEFAULTS)
-CONFLICT_COLUMNS = (
-    "source",
-    "dedup_key",
-    "fingerprint",
-    "content_type",
-    "body",
-    "headers",
-    "received_at",
-)
+
+__all__ = ["Statements", "for_engine", "receive_if", "reserved_id_is_current"]
 
 
 class Statements:
@@ -119,246 +94,6 @@ class Statements:
                 dialect,
             )
             self.events_id_last_value = DriverStatement(select(_sequence_last_value()), dialect)
-
-
-class SqliteBatch:
-    """SQLite's batch: the one-row INSERT's ``VALUES`` repeated, and the taken keys read over JSON.
-
-    Core's executemany converted each row's parameters through SQLAlchemy's
-    execution machinery; here a DriverStatement's converters make each
-    row's values, and one multi-row ``INSERT ... ON CONFLICT DO NOTHING``
-    takes up to ``chunk`` rows. The keys already taken are then one lookup
-    each, from one JSON parameter.
-
-    Every read answers one row, its rows as one JSON array: the driver lets
-    go of the GIL for every row it steps to, and each time a busy consumer
-    thread took it, the batch waited to get it back (``RETURNING`` and a
-    row per event found made the batch's reads ten times slower in a
-    consumer than alone). The new events are read back by their ids: the
-    batch holds the write lock, and SQLite gives each inserted row the
-    table's largest rowid plus one, so a statement's new rows are the
-    ``changes()`` ids ending at ``last_insert_rowid()``.
-    """
-
-    # SQLite binds at most 32,766 parameters in one statement.
-    MAX_PARAMETERS = 32_766
-
-    def __init__(self, insert_events: Any, dialect: Any) -> None:
-        self._one = DriverStatement(insert_events, dialect, EVENT_COLUMNS)
-        sql = self._one.sql
-        values = re.search(r"VALUES (\(\?(?:, \?)*\))", sql)
-        if values is None or sql.count("?") != values.group(1).count("?"):
-            raise FastPathError(f"not a one-row INSERT with only its values bound: {sql!r}")
-        self._head, self._row, self._tail = (
-            sql[: values.start(1)],
-            values.group(1),
-            sql[values.end(1) :],
-        )
-        self.chunk = self.MAX_PARAMETERS // self._row.count("?")
-        self.new_sql = (
-            "SELECT json_group_array(json_array(id, source, dedup_key)) FROM events "
-            "WHERE id BETWEEN ? AND ?"
-        )
-        # CROSS JOIN: SQLite keeps the keys as the outer loop, an index lookup each.
-        self.find_sql = (
-            "SELECT json_group_array(json_array(e.id, e.source, e.dedup_key, e.fingerprint)) "
-            "FROM json_each(?) AS k "
-            "CROSS JOIN events AS e ON e.source = json_extract(k.value, '$[0]') "
-            "AND e.dedup_key = json_extract(k.value, '$[1]')"
-        )
-
-    def insert_sql(self, count: int) -> str:
-        """The INSERT of ``count`` rows (at most ``chunk``).
-
-        Built each time (microseconds against the rows' conversion): kept,
-        one per batch size, they could add up to megabytes. The driver's own
-        statement cache keeps the sizes in use prepared.
-        """
-        return self._head + ", ".join([self._row] * count) + self._tail
-
-    def params(self, rows: list[dict[str, Any]]) -> list[Any]:
-        """The values of ``rows``, row after row, converted by the columns' types."""
-        return self._one.rows_params(rows)
-
-
-class BatchRows:
-    """PostgreSQL's batch: one statement, its rows one JSON parameter (``jsonb_array_elements``).
-
-    One short statement whatever the batch's size (a multi-row ``VALUES``
-    list is a new, long statement for every batch size), and one round
-    trip: it inserts the new events and their deliveries (the outbox),
-    reads the keys the insert skipped, and returns both. The rows go as one
-    JSON document, serialised by one C call: as arrays, psycopg converted
-    every element in Python, which cost a consumer more CPU than the rest
-    of the statement. The server parses it once, as jsonb, each row an
-    array read by position (``json_to_recordset`` parsed every nested
-    value again to make its jsonb, four times slower for a batch of 200;
-    ``jsonb_to_recordset`` over objects sorted every row's keys and made
-    the server's share of a new event 27 us against 19). Values are
-    converted by the columns' own types first, as SQLAlchemy would convert
-    them (the contract tests compare the rows with the plain Core path's).
-    """
-
-    def __init__(self, dialect: Any) -> None:
-        self._events = _JsonRows(events, EVENT_COLUMNS, dialect)
-        self._deliveries = _JsonRows(
-            deliveries, DELIVERY_COLUMNS, dialect, keys=("source", "dedup_key")
-        )
-        columns = ", ".join(EVENT_COLUMNS)
-        wanted = ", ".join(DELIVERY_COLUMNS)
-        # ``stored`` sees the events committed before the statement; a key
-        # taken by a copy committed since is in neither result (find_sql).
-        # Only the keys the INSERT skipped are looked up: a batch of new
-        # events reads nothing.
-        # The CTEs and the results apart, so that a statement may add its own
-        # CTEs (batch_statements.py: a batch's riders).
-        self.ctes = (
-            f"batch AS ({self._events.select('events')}), "
-            f"inserted AS (INSERT INTO events ({columns}) SELECT * FROM batch "
-            "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key), "
-            f"stored AS ({_TAKEN} FROM (SELECT source, dedup_key FROM batch AS b "
-            "WHERE NOT EXISTS (SELECT FROM inserted AS i "
-            "WHERE i.source = b.source AND i.dedup_key = b.dedup_key)) AS k, "
-            f"{_LOOKUP}), "
-            f"enqueued AS (INSERT INTO deliveries (event_id, {wanted}) "
-            f"SELECT i.id, {', '.join(f'w.{name}' for name in DELIVERY_COLUMNS)} "
-            f"FROM inserted AS i JOIN ({self._deliveries.select('deliveries')}) AS w "
-            "ON w.source = i.source AND w.dedup_key = i.dedup_key)"
-        )
-        self.results = (
-            "SELECT id, source, dedup_key, NULL, true FROM inserted "
-            "UNION ALL SELECT id, source, dedup_key, fingerprint, false FROM stored"
-        )
-        self.sql = f"WITH {self.ctes} {self.results}"
-        # The keys taken by a racing copy, read back with their fingerprints.
-        self.find_sql = (
-            f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "
-            f"AS k(source, dedup_key), {_LOOKUP}"
-        )
-
-    def params(self, rows: list[dict[str, Any]], wanted: list[dict[str, Any]]) -> dict[str, str]:
-        """The statement's two JSON documents: the events ``rows``, and the deliveries ``wanted``.
-
-        Each wanted delivery names its event by source and dedup key; only
-        those of events this statement inserts are written.
-        """
-        return {
-            "events": self._events.document(rows),
-            "deliveries": self._deliveries.document(wanted),
-        }
-
-
-# The event under each key ``k``, by one index lookup per key: a join would
-# scan the whole table whenever its statistics are stale, and the plan is
-# prepared once. LIMIT (the key is unique) keeps the planner from making
-# the lateral subquery a join.
-_TAKEN = "SELECT e.id, e.source, e.dedup_key, e.fingerprint"
-_LOOKUP = (
-    "LATERAL (SELECT id, source, dedup_key, fingerprint FROM events "
-    "WHERE source = k.source AND dedup_key = k.dedup_key LIMIT 1) AS e"
-)
-
-
-class _JsonRows:
-    """Some columns of a table as one JSON parameter: its SELECT, and the document of some rows.
-
-    Each row is a JSON array of its values in column order, not an object:
-    no column name repeated per row, so a batch's document is a fifth
-    smaller for the client to serialise and the server to parse, and the
-    server reads each value by its position (``->>``), in constant time.
-    """
-
-    def __init__(
-        self, table: Any, names: tuple[str, ...], dialect: Any, keys: tuple[str, ...] = ()
-    ) -> None:
-        # ``keys``: text columns that are not the table's (a delivery names its event by them).
-        self._names = (*keys, *names)
-        expressions = [f"r.v->>{position} AS {key}" for position, key in enumerate(keys)]
-        self._converters: list[tuple[int, Callable[[Any], Any], bool]] = []
-        for position, name in enumerate(names, start=len(keys)):
-            column_type = table.c[name].type.dialect_impl(dialect)
-            element = _array_element(table.c[name].type)
-            if element is None:
-                raise FastPathError(f"no JSON reading for {table.name}.{name} ({column_type})")
-            process = column_type.bind_processor(dialect)
-            text = f"r.v->>{position}"
-            if element == "bytea":
-                # JSON has no bytes: sent as hex, decoded on the server.
-                expression = f"decode({text}, 'hex')"
-                process = bytes.hex
-            elif element == "jsonb":
-                # The value itself, inside the document: a JSON null stays
-                # JSON null, unless the column maps None to SQL NULL, as in
-                # SQLAlchemy.
-                expression = f"r.v->{position}"
-                if column_type.none_as_null:
-                    expression = f"nullif({expression}, 'null'::jsonb)"
-                process = None
-            elif element == "timestamp":
-                # Converted by the column (naive UTC), then as ISO 8601 text.
-                expression = f"({text})::timestamp"
-                process = _then_isoformat(process)
-            elif element == "text":
-                expression = text
-            else:
-                expression = f"({text})::{element}"
-            expressions.append(f"{expression} AS {name}")
-            if process is not None:
-                self._converters.append((position, process, element == "timestamp"))
-        self._expressions = ", ".join(expressions)
-        # The engine's JSON serialiser (database.json_text: orjson).
-        self._dumps: Callable[[Any], str] = getattr(dialect, "_json_serializer", None) or json.dumps
-
-    def select(self, param: str) -> str:
-        """The rows of the JSON parameter ``param``, one column each, converted by the database."""
-        return f"SELECT {self._expressions} FROM jsonb_array_elements(%({param})s::jsonb) AS r(v)"
-
-    def document(self, rows: list[dict[str, Any]]) -> str:
-        """``rows`` as the JSON array of arrays ``select`` reads (other keys are ignored)."""
-        names = self._names
-        out = [[row[name] for name in names] for row in rows]
-        if not self._converters:
-            return self._dumps(out)
-        # A batch's times are mostly one (its receipt): each is converted once.
-        converters: list[tuple[int, Callable[[Any], Any], dict[Any, Any] | None]] = [
-            (position, process, {} if once else None)
-            for position, process, once in self._converters
-        ]
-        for values in out:
-            for position, process, cache in converters:
-                value = values[position]
-                if value is None:
-                    continue
-                if cache is None:
-                    values[position] = process(value)
-                elif value in cache:
-                    values[position] = cache[value]
-                else:
-                    values[position] = cache[value] = process(value)
-        return self._dumps(out)
-
-
-def _then_isoformat(process: Callable[[Any], Any] | None) -> Callable[[Any], str]:
-    # Never given None: document() leaves None as JSON null.
-    def convert(value: Any) -> str:
-        return str((process(value) if process is not None else value).isoformat())
-
-    return convert
-
-
-def _array_element(column_type: Any) -> str | None:
-    """The PostgreSQL array element type for a column of the events table."""
-    # Order matters: UTCDateTime is a TypeDecorator, JSON may be a variant.
-    for kind, element in (
-        (UTCDateTime, "timestamp"),
-        (JSON, "jsonb"),
-        (LargeBinary, "bytea"),
-        (Integer, "integer"),
-        (String, "text"),
-    ):
-        if isinstance(column_type, kind):
-            return element
-    return None
 
 
 def _conflict_upsert(engine: Engine) -> Any:
