@@ -24,3 +24,14 @@ class BrokerMessage:
     event_type: str | None
     # Extra headers (AMQP headers table, NATS headers): source, event id.
     headers: dict[str, str] = field(default_factory=dict)
+
+    def attributes(self) -> dict[str, str]:
+        """Everything but the body as named text values, none empty (SQS's and Pub/Sub's form)."""
+        values = {
+            "message-id": self.message_id,
+            "type": self.event_type or "",
+            "content-type": self.content_type or "",
+            "X-Request-Id": self.correlation_id,
+            **self.headers,
+        }
+        return {name: value for name, value in values.items() if value}

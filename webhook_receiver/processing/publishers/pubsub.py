@@ -45,21 +45,9 @@ def _publisher() -> Any:
         return _clients[0]
 
 
-def attributes(message: BrokerMessage) -> dict[str, str]:
-    """The attributes a forward publishes (none empty)."""
-    values = {
-        "message-id": message.message_id,
-        "type": message.event_type or "",
-        "content-type": message.content_type or "",
-        "X-Request-Id": message.correlation_id,
-        **message.headers,
-    }
-    return {name: value for name, value in values.items() if value}
-
-
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
     try:
-        future = _publisher().publish(topic_path(forward), message.body, **attributes(message))
+        future = _publisher().publish(topic_path(forward), message.body, **message.attributes())
         future.result(timeout=forward.timeout_seconds)
     except api_exceptions.InvalidArgument as exc:
         # Too large, or attributes Pub/Sub refuses: whatever the attempt.

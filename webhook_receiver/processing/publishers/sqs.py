@@ -73,20 +73,8 @@ def _client(forward: ForwardConfig) -> Any:
         return client
 
 
-def attributes(message: BrokerMessage) -> dict[str, str]:
-    """The attributes a forward sends (SQS takes no empty value, and ten at most)."""
-    values = {
-        "message-id": message.message_id,
-        "type": message.event_type or "",
-        "content-type": message.content_type or "",
-        "X-Request-Id": message.correlation_id,
-        **message.headers,
-    }
-    return {name: value for name, value in values.items() if value}
-
-
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
-    values = attributes(message)
+    values = message.attributes()
     if len(values) > MAX_ATTRIBUTES:
         raise PublishRefused(f"{len(values)} attributes: SQS takes {MAX_ATTRIBUTES} at most")
     try:
