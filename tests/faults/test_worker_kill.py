@@ -23,7 +23,10 @@ REDELIVERY_SHARE = 0.25
 MAX_TRIES = 40
 
 
+# Serial: its kills must land on requests in flight, which the load of the
+# parallel run can starve.
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigkilled_workers_lose_no_acknowledged_event(db_url, tmp_path):
     journal = Journal()
     done = threading.Event()
