@@ -6,9 +6,15 @@ processes (``flask --app wsgi worker``). Forwards run three ways in the same
 run: as configured by default (the circuit breaker on: its read before each
 call), with ``circuit_breaker = false`` (no read: the worker as it was
 before circuit breakers), and with a ``max_per_second`` too high to hold
-anything back (the rate limit's slot, one UPDATE per call). Each case stores ``--deliveries``
+anything back (the rate limit's slot, one UPDATE per call). Two more show
+the attempt log's cost: the default forward with ``WORKER_ATTEMPT_LOG=false``
+(no attempt rows), and as the worker was before this round of features
+(neither circuit breaker nor attempt log). Each case stores ``--deliveries``
 events in one transaction while the workers already wait, then times until
 every delivery is delivered; every case is bounded by ``--timeout``.
+``--rounds`` repeats the cases, in the opposite order every other round,
+and gives each row's median and the ratios of the forwards' ways within
+each round.
 
 PostgreSQL is the server of ``BENCH_DATABASE_URL``, else ``TEST_DATABASE_URL``
 (without either only SQLite runs); a fresh database is made there and dropped
@@ -23,6 +29,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -45,11 +52,18 @@ FORWARD_SOURCE = "bench-forward"
 HANDLER_SOURCE = "bench-handler"
 # Each case's source: its forward (or handler) is all that differs.
 KINDS = {
+    "forward, as before": "bench-forward-plain",
+    "forward, no attempt log": FORWARD_SOURCE,
     "forward, no circuit breaker": "bench-forward-plain",
     "forward": FORWARD_SOURCE,
     "forward, max_per_second": "bench-forward-limited",
     "handler": HANDLER_SOURCE,
 }
+# The workers' settings a kind changes (the others run as configured).
+NO_ATTEMPT_LOG = {"WEBHOOK_RECEIVER_WORKER_ATTEMPT_LOG": "false"}
+KIND_ENV = {"forward, as before": NO_ATTEMPT_LOG, "forward, no attempt log": NO_ATTEMPT_LOG}
+# Within each round: each kind's rate over another's, as "a / b".
+RATIOS = [("forward", "forward, no attempt log"), ("forward", "forward, as before")]
 # The forwards' settings besides their URL, by source.
 FORWARD_SETTINGS = {
     "bench-forward-plain": ["circuit_breaker = false"],
@@ -71,6 +85,11 @@ class Row:
     workers: int
     deliveries: int
     seconds: float | None
+    round: int = 0
+
+    @property
+    def rate(self) -> float | None:
+        return self.deliveries / self.seconds if self.seconds else None
 
     def cells(self) -> list[str]:
         rate = f"{self.deliveries / self.seconds:,.0f}" if self.seconds else "timed out"
@@ -263,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deliveries", type=int, default=1000)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--kind", action="append", choices=list(KINDS), help="only these kinds (repeatable)"
+    )
     parser.add_argument("--db", choices=["sqlite", "postgresql"])
     parser.add_argument(
         "--pg-url",
@@ -293,31 +316,71 @@ def main(argv: list[str] | None = None) -> int:
                 upgrade()
             try:
                 # Each worker count's kinds one after the other: the forwards'
-                # three ways are compared within minutes of each other.
+                # ways are compared within minutes of each other.
                 for workers in (1, 2):
-                    for kind in KINDS:
-                        seconds = run_case(
-                            app,
-                            env_for(db_url, config_path),
-                            kind,
-                            workers,
-                            args.deliveries,
-                            args.timeout,
-                            logs,
-                        )
-                        row = Row(db_name, kind, workers, args.deliveries, seconds)
-                        rows.append(row)
-                        print("  ".join(row.cells()), file=sys.stderr, flush=True)
+                    for round_ in range(args.rounds):
+                        kinds = [k for k in KINDS if not args.kind or k in args.kind]
+                        for kind in kinds[:: -1 if round_ % 2 else 1]:
+                            seconds = run_case(
+                                app,
+                                {**env_for(db_url, config_path), **KIND_ENV.get(kind, {})},
+                                kind,
+                                workers,
+                                args.deliveries,
+                                args.timeout,
+                                logs,
+                            )
+                            row = Row(db_name, kind, workers, args.deliveries, seconds, round_)
+                            rows.append(row)
+                            print("  ".join(row.cells()), file=sys.stderr, flush=True)
             finally:
                 with app.app_context():
                     db.session.remove()
                     db.engine.dispose()
+    print_tables(rows, args.rounds)
+    return 0 if all(r.seconds for r in rows) else 1
+
+
+def print_tables(rows: list[Row], rounds: int) -> None:
+    """Each case's row (its median over the rounds), then the forwards' ratios per round."""
     header = ["database", "consumer", "workers", "deliveries", "seconds", "per second"]
+    if rounds > 1:
+        header[-1] = f"per second (median of {rounds}, range)"
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row.cells()) + " |")
-    return 0 if all(r.seconds for r in rows) else 1
+    cases = list(dict.fromkeys((r.db, r.kind, r.workers) for r in rows))
+    for case in cases:
+        runs = [r for r in rows if (r.db, r.kind, r.workers) == case]
+        rates = [r.rate for r in runs if r.rate]
+        cells = runs[0].cells()
+        if rounds > 1 and rates:
+            took = statistics.median(r.seconds for r in runs if r.seconds)
+            cells[-2] = f"{took:.2f}"
+            cells[-1] = f"{statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"
+        print("| " + " | ".join(cells) + " |")
+    ratios = []
+    for top, bottom in RATIOS:
+        for db_name, workers in dict.fromkeys((r.db, r.workers) for r in rows):
+            found = []
+            for round_ in range(rounds):
+                pair = {
+                    r.kind: r.rate
+                    for r in rows
+                    if (r.db, r.workers, r.round) == (db_name, workers, round_)
+                }
+                if pair.get(top) and pair.get(bottom):
+                    found.append(pair[top] / pair[bottom])
+            if found:
+                spread = f" ({min(found):.2f}-{max(found):.2f})" if len(found) > 1 else ""
+                ratios.append(
+                    f"| {db_name} | {workers} | {top} / {bottom} | "
+                    f"{statistics.median(found):.2f}{spread} |"
+                )
+    if ratios:
+        print()
+        print("| database | workers | ratio | median over the rounds |")
+        print("|---|---|---|---|")
+        print("\n".join(ratios))
 
 
 if __name__ == "__main__":

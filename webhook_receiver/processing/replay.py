@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZE = 500
 # After each batch, wait this many times as long as it took (see resume).
-REST = 0.0
+REST = 9.0
 # A replay's process holds it this long past its last batch; then a worker resumes it.
 LEASE = timedelta(seconds=60)
 SAME_KEY_WARNING = (
