@@ -135,6 +135,9 @@ def client_settings(source: BrokerSourceConfig) -> dict[str, Any]:
 class KafkaConsumer(batch.Consumer):
     """Consume one Kafka source's topics into the inbox until ``stop`` is set."""
 
+    broker_errors = (KafkaException,)
+    source_noun = "topic"
+
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
         self.not_ready = Outage(source.name, "topic")
@@ -158,17 +161,12 @@ class KafkaConsumer(batch.Consumer):
 
     # -- the session --------------------------------------------------------------
 
-    def run(self) -> None:
-        """Consume until stopped; back off through outages and missing topics."""
-        while not self.stop.is_set():
-            try:
-                self._session()
-            except SourceNotReady as exc:
-                self.stop.wait(self.not_ready.failed(exc))
-            except KafkaException as exc:
-                self.stop.wait(self.broker.failed(f"{self.source.safe_url}: {_describe(exc)}"))
+    def describe(self, exc: BaseException) -> str:
+        if isinstance(exc, KafkaException):
+            return f"{self.source.safe_url}: {_describe(exc)}"
+        return super().describe(exc)
 
-    def _session(self) -> None:
+    def session(self) -> None:
         self._assigned.clear()
         self._away.clear()
         self._start.clear()
@@ -284,9 +282,18 @@ class KafkaConsumer(batch.Consumer):
                 log.warning(
                     "source %s: kafka: %s", self.source.name, error.str(), extra=self._extra()
                 )
+            elif _where(record) in self._away:
+                # Fetched before its partition was let go (the database away during
+                # a revocation in this consume()): read again from here.
+                self._hold_away(record)
             elif _where(record) in self._assigned:
                 usable.append(record)
         return usable
+
+    def _hold_away(self, record: Message) -> None:
+        key, offset = _where(record), _offset(record)
+        at = self._away[key]
+        self._away[key] = offset if at < 0 else min(at, offset)
 
     def _probe_broker(self, consumer: Any, got_records: bool) -> None:
         now = time.monotonic()
@@ -437,8 +444,9 @@ class KafkaConsumer(batch.Consumer):
             came = consumer.consume(
                 self.source.batch, min(0.1, self._paused_until - time.monotonic())
             )
-            if self._usable(came):
-                raise RuntimeError("records came from partitions this consumer let go")
+            for record in self._usable(came):  # none should come; any is read again
+                self._away.setdefault(_where(record), _offset(record))
+                self._hold_away(record)
             return False
         back = [
             TopicPartition(topic, partition, offset)
