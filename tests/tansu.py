@@ -72,6 +72,7 @@ def bootstrap() -> str:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         atexit.register(_stop)
         _wait_listening(port)
@@ -98,6 +99,22 @@ def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
 def log_text() -> str:
     """What the session's Tansu wrote so far (for an assertion's message)."""
     return _log.read_text(errors="replace")[-4000:] if _log else ""
+
+
+def _die_with_parent() -> None:
+    """In the child: end with the process that started it, even killed outright (Linux).
+
+    atexit stops it when the tests end; a test run killed (a timeout, kill
+    -9) runs no atexit, and the broker would outlive it.
+    """
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: atexit only
 
 
 def _free_port() -> int:
