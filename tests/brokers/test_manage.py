@@ -221,6 +221,20 @@ def test_an_unknown_source_or_none_at_all_is_named(make_app):
     assert "no broker source" in _one_line_error(_cli(bare, "declare"))
 
 
+def test_a_kafka_source_is_never_declared_or_published_through_another_brokers_path(make_app):
+    # No broker is contacted: the command names Kafka's own tools instead.
+    table = {
+        "provider": "kafka",
+        "bootstrap_servers": "127.0.0.1:9",
+        "topics": ["orders"],
+        "dedup_key": "header:message-id",
+    }
+    app = make_app({"sources": {SOURCE: table}})
+    assert "kafka-topics.sh" in _one_line_error(_cli(app, "declare", SOURCE))
+    published = _cli(app, "publish", SOURCE, "--key", "k1", "{}")
+    assert "kafka-console-producer.sh" in _one_line_error(published)
+
+
 # -- NATS JetStream -------------------------------------------------------------
 
 

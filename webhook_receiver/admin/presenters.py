@@ -357,7 +357,15 @@ def local_input(moment: datetime | None) -> str:
 
 # -- intakes -----------------------------------------------------------------
 
-BROKER_NAMES = {"rabbitmq": "RabbitMQ", "nats": "NATS"}
+BROKER_NAMES = {
+    "rabbitmq": "RabbitMQ",
+    "nats": "NATS",
+    "kafka": "Kafka",
+    "sqs": "Amazon SQS",
+    "pubsub": "Pub/Sub",
+    "redis": "Redis Streams",
+    "mqtt": "MQTT",
+}
 # What refused a webhook delivery (webhooks/receipt.py); any other reason is
 # a broker message dead-lettered without being stored (brokers/batch.py).
 WEBHOOK_REFUSALS = frozenset({"signature", "timestamp"})

@@ -115,8 +115,10 @@ def declare_command(sources: tuple[str, ...], queue_type: str) -> None:
             declare_sqs(source, say)
         elif source.provider == "pubsub":
             declare_pubsub(source, say)
-        else:
+        elif source.provider == "nats":
             asyncio.run(declare_jetstream(source, say))
+        else:
+            raise _not_here(source, "its topics with Kafka's own tools (kafka-topics.sh --create)")
 
 
 def _say(name: str, line: str) -> None:
@@ -144,6 +146,8 @@ def publish_command(
 ) -> None:
     """Publish BODY to a broker source, carrying KEY and TYPE where its specs read them."""
     (source,) = _chosen((source_name,))
+    if source.provider == "kafka":
+        raise _not_here(source, "its records with Kafka's own tools (kafka-console-producer.sh)")
     data = body.encode()
     cloud = {"sqs": publish_sqs, "pubsub": publish_pubsub}.get(source.provider)
     if cloud is not None:  # a message_id key is the broker's to give: their own placing
@@ -166,10 +170,15 @@ def publish_command(
     click.echo(f"{source.name}: {line}")
 
 
+def _not_here(source: BrokerSourceConfig, what: str) -> click.ClickException:
+    # Never another broker's path: a Kafka source is not declared or published to here yet.
+    return click.ClickException(f"{source.name}: a {source.provider} source: make {what}")
+
+
 def _chosen(names: tuple[str, ...]) -> list[BrokerSourceConfig]:
     config: FileConfig = current_app.config["FILE_CONFIG"]
     if not config.brokers:
-        raise click.ClickException(f"{config.path}: no broker source (provider rabbitmq or nats)")
+        raise click.ClickException(f"{config.path}: no broker source")
     for name in names:
         if name not in config.brokers:
             known = ", ".join(sorted(config.brokers))
