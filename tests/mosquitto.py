@@ -25,6 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .session_server import free_port
+
 STARTUP_SECONDS = 15.0
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 # The log lines counted: a PUBLISH sent to a client, a PUBACK received from
@@ -94,7 +96,7 @@ def start(*, log_everything: bool = True) -> Mosquitto:
     """Start a Mosquitto of its own on a free 127.0.0.1 port (stop it with :func:`stop`)."""
     if not os.path.exists(MOSQUITTO):
         raise RuntimeError(f"{MOSQUITTO} not found (Debian's mosquitto package)")
-    port = _free_port()
+    port = free_port()
     # Run as root, Mosquitto drops to its own user: its folder must let it write.
     folder = Path(tempfile.mkdtemp(prefix="mosquitto-"))
     folder.chmod(0o1777)
@@ -148,9 +150,3 @@ def _broker_stop() -> None:
     server, _broker = _broker, None
     if server is not None:
         stop(server)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

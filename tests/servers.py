@@ -17,16 +17,10 @@ from pathlib import Path
 import requests
 
 from .conftest import SECRET_KEY
+from .session_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_pids(master_pid: int) -> set[int]:

@@ -20,53 +20,30 @@ get (the standard AWS chain reads them first).
 
 from __future__ import annotations
 
-import atexit
 import os
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-STARTUP_SECONDS = 30.0
+from .session_server import SessionServer
+
 ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 REGION = "eu-west-1"
 
-_lock = threading.Lock()
-_process: subprocess.Popen[bytes] | None = None
-_url: str | None = None
-_log: Path | None = None
+_SERVER = SessionServer(
+    "moto", lambda port: [sys.executable, "-m", "tests.sqs_server", str(port)], cwd=ROOT
+)
+log_text = _SERVER.log_text
 
 
 def endpoint() -> str:
     """The test SQS's URL, started first if this process has none yet."""
-    global _process, _url, _log
     given = os.environ.get("TEST_SQS_ENDPOINT")
     if given:
         return given
-    with _lock:
-        if _url is not None and _process is not None and _process.poll() is None:
-            return _url
-        port = _free_port()
-        fd, log_name = tempfile.mkstemp(prefix="moto-", suffix=".log")
-        _log = Path(log_name)
-        with os.fdopen(fd, "wb") as log:
-            _process = subprocess.Popen(
-                [sys.executable, "-m", "tests.sqs_server", str(port)],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        atexit.register(_stop)
-        _wait_listening(port)
-        _url = f"http://127.0.0.1:{port}"
-        return _url
+    return f"http://127.0.0.1:{_SERVER.port()}"
 
 
 def client(url: str) -> Any:
@@ -80,45 +57,6 @@ def client(url: str) -> Any:
         aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
     )
-
-
-def log_text() -> str:
-    """What the session's moto wrote so far (for an assertion's message)."""
-    return _log.read_text(errors="replace")[-4000:] if _log else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_listening(port: int) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if _process is not None and _process.poll() is not None:
-            raise RuntimeError(f"moto exited with status {_process.returncode}:\n{log_text()}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"moto did not listen on 127.0.0.1:{port} within {STARTUP_SECONDS} s")
-
-
-def _stop() -> None:
-    global _process, _url
-    process, _process, _url = _process, None, None
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
-    if _log is not None:
-        _log.unlink(missing_ok=True)
 
 
 def _serve(port: int) -> None:
