@@ -260,10 +260,11 @@ class Subscription:
         """Publish (data, attributes) pairs, waiting for every one's confirmation."""
         from google.cloud import pubsub_v1
 
+        from webhook_receiver.brokers.pubsub import publish_exactly
+
         publisher = pubsub_v1.PublisherClient()
-        futures = [publisher.publish(self.topic, data, **attrs) for data, attrs in messages]
-        for future in futures:
-            future.result(timeout=30)
+        for data, attrs in messages:
+            publish_exactly(publisher, self.topic, data, attrs, 30)
         publisher.stop()
         self.published += len(messages)
 

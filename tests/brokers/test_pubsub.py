@@ -319,6 +319,27 @@ def test_arbitrary_data_and_attributes_never_stop_the_consumer(
         assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
 
 
+def test_a_poison_message_whose_attributes_are_named_like_publish_s_arguments_is_dead_lettered(
+    make_app, pubsub_subscription: Subscription
+):
+    # The client's publish() takes attributes as keyword arguments beside
+    # its own: a copy carrying "topic" or "timeout" must still go out whole.
+    subscription = pubsub_subscription
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    reserved = {"topic": "t", "data": "d", "ordering_key": "o", "retry": "r", "timeout": "9"}
+    subscription.publish([(b"not json", {"type": "order", **reserved})])
+    dead: list[Any] = []
+    with consuming(app, SOURCE):
+        # Each read takes (acknowledges) what it finds: gather them.
+        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+    [copy] = dead
+    assert copy.data == b"not json"
+    assert {name: copy.attributes[name] for name in reserved} == reserved
+    assert copy.attributes["dead-letter-reason"] == "dedup-key-missing"
+    assert count_events(app) == 0
+    assert subscription.unacknowledged() == 0
+
+
 def _settled(app: Any) -> float:
     """Messages stored, counted as duplicates (an example may repeat one) or dead-lettered."""
     return _settled_total(app, SOURCE) + duplicate_total(app)

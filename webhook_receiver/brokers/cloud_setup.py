@@ -30,6 +30,7 @@ from google.cloud import pubsub_v1
 from .. import pointers
 from ..config import BrokerSourceConfig, parse_broker_spec
 from ..fingerprint import JSONError, loads
+from .pubsub import publish_exactly
 
 _AWS_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError)
 _GOOGLE_ERRORS = (api_exceptions.GoogleAPIError, OSError)
@@ -206,7 +207,7 @@ def publish_pubsub(
                 f"subscription {source.subscription!r} does not exist: "
                 f"run `flask --app wsgi brokers declare {source.name}` first",
             ) from exc
-        message_id = publisher.publish(topic, body, **placed.attributes).result(timeout=30)
+        message_id = publish_exactly(publisher, topic, body, placed.attributes, 30)
     except _GOOGLE_ERRORS as exc:
         raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
     finally:

@@ -27,12 +27,13 @@ maximum before they came back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC
 from typing import Any
 
 import google.api_core.exceptions as api_exceptions
 from google.cloud import pubsub_v1
+from google.pubsub_v1.services.publisher import PublisherClient as ApiPublisher
 
 from ..config import BrokerSourceConfig
 from . import batch
@@ -216,17 +217,17 @@ class PubSubConsumer(PulledConsumer):
         if not dead:
             return [], []
         topic = self.source.dead_letter_topic
-        futures = []
+        assert topic is not None  # a publisher is made only for a dead_letter_topic
+        sent: list[tuple[Raw, batch.Verdict]] = []
+        failed: list[Raw] = []
         for raw, verdict in dead:
             attributes = dict(raw.message.attributes)
             attributes[DEAD_LETTER_REASON] = verdict.reason or "unknown"
-            futures.append(self._publisher.publish(topic, raw.message.data, **attributes))
-        sent: list[tuple[Raw, batch.Verdict]] = []
-        failed: list[Raw] = []
-        for (raw, verdict), future in zip(dead, futures, strict=True):
             try:
-                future.result(timeout=PUBLISH_TIMEOUT_SECONDS)
-            except Exception as exc:  # a publish future raises whatever failed it
+                publish_exactly(
+                    self._publisher, topic, raw.message.data, attributes, PUBLISH_TIMEOUT_SECONDS
+                )
+            except Exception as exc:  # the call raises whatever failed it
                 log.error(
                     "source %s: could not dead-letter to %r (%s: %s); the message is retried",
                     self.source.name,
@@ -239,6 +240,22 @@ class PubSubConsumer(PulledConsumer):
             else:
                 sent.append((raw, verdict))
         return sent, failed
+
+
+def publish_exactly(
+    publisher: Any, topic: str, data: bytes, attributes: Mapping[str, str], timeout: float
+) -> str:
+    """Publish one message whatever its attributes' names; its message id once confirmed.
+
+    The client's ``publish()`` takes attributes as keyword arguments beside
+    its own (``topic``, ``data``, ``ordering_key``, ``retry``, ``timeout``): a
+    message with an attribute of one of those names would fail it, or have
+    the attribute taken for a setting. The API's publish takes the message.
+    """
+    message = pubsub_v1.types.PubsubMessage(data=data, attributes=dict(attributes))
+    # The generated API client's publish, which the batching client extends.
+    response = ApiPublisher.publish(publisher, topic=topic, messages=[message], timeout=timeout)
+    return str(response.message_ids[0])
 
 
 def _reader_of(source: BrokerSourceConfig) -> Any:
