@@ -35,18 +35,8 @@ MAX_REPLAY = 100_000
 
 def _filter(args: MultiDict[str, str]) -> tuple[Filter, int | None, list[str]]:
     """The Deliveries filter and replay limit in a query or form, and what is wrong with them."""
-    errors = []
-    times = {}
-    for name in ("since", "until"):
-        try:
-            times[name] = presenters.parse_utc(args.get(name, ""))
-        except ValueError:
-            errors.append(f"“{args.get(name)}” is not a date and time (use YYYY-MM-DDTHH:MM, UTC).")
-            times[name] = None
-    state = args.get("state", "")
-    if state and state not in replays.STATES:
-        errors.append(f"Unknown state “{state}”.")
-        state = ""
+    errors: list[str] = []
+    since, until, state = presenters.filter_fields(args, replays.STATES, errors)
     limit = None
     raw_limit = args.get("limit", "").strip()
     if raw_limit:
@@ -59,8 +49,8 @@ def _filter(args: MultiDict[str, str]) -> tuple[Filter, int | None, list[str]]:
         source=args.get("source", "").strip(),
         event_type=args.get("type", "").strip(),
         state=state,
-        since=times["since"],
-        until=times["until"],
+        since=since,
+        until=until,
     )
     return flt, limit, errors
 

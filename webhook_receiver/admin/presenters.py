@@ -10,7 +10,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -331,6 +331,27 @@ def utc(moment: datetime | None) -> str:
     if moment is None:
         return "—"
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def filter_fields(
+    args: Mapping[str, str], states: Collection[str], errors: list[str]
+) -> tuple[datetime | None, datetime | None, str]:
+    """A filter form's since, until and state; what is wrong with them goes to ``errors``.
+
+    A wrong value is left out of the filter (None, or no state), and said.
+    """
+    times: dict[str, datetime | None] = {}
+    for name in ("since", "until"):
+        try:
+            times[name] = parse_utc(args.get(name, ""))
+        except ValueError:
+            errors.append(f"“{args.get(name)}” is not a date and time (use YYYY-MM-DDTHH:MM, UTC).")
+            times[name] = None
+    state = args.get("state", "")
+    if state and state not in states:
+        errors.append(f"Unknown state “{state}”.")
+        state = ""
+    return times["since"], times["until"], state
 
 
 def parse_utc(raw: str) -> datetime | None:

@@ -163,24 +163,14 @@ def overview() -> str:
 
 def _event_filters() -> tuple[queries.EventFilters, list[str]]:
     args = request.args
-    errors = []
-    times = {}
-    for name in ("since", "until"):
-        try:
-            times[name] = presenters.parse_utc(args.get(name, ""))
-        except ValueError:
-            errors.append(f"“{args.get(name)}” is not a date and time (use YYYY-MM-DDTHH:MM, UTC).")
-            times[name] = None
-    state = args.get("state", "")
-    if state and state not in queries.EVENT_STATES:
-        errors.append(f"Unknown state “{state}”.")
-        state = ""
+    errors: list[str] = []
+    since, until, state = presenters.filter_fields(args, queries.EVENT_STATES, errors)
     filters = queries.EventFilters(
         source=args.get("source", "").strip(),
         event_type=args.get("type", "").strip(),
         state=state,
-        since=times["since"],
-        until=times["until"],
+        since=since,
+        until=until,
         q=args.get("q", "").strip(),
     )
     return filters, errors
