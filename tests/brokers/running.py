@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +35,15 @@ def terminate(process: subprocess.Popen[bytes], log_path: Any) -> int:
     try:
         return process.wait(timeout=30)
     except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # every thread's stack into the log
+        time.sleep(1)
         stop(process)
         raise AssertionError(f"consume did not stop on SIGTERM:\n{log_tail(log_path)}") from None
 
 
 def log_tail(log_path: Any) -> str:
     """The end of a process's log, for an assertion's message."""
-    return log_path.read_text(errors="replace")[-4000:]
+    return log_path.read_text(errors="replace")[-8000:]
 
 
 def hold_writers(db_url: str) -> Callable[[], None]:

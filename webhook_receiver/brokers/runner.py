@@ -11,6 +11,7 @@ sources go on.
 from __future__ import annotations
 
 import logging
+import faulthandler
 import signal
 import threading
 import time
@@ -101,6 +102,8 @@ def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if previous:
+            faulthandler.unregister(signal.SIGUSR1)
 
 
 def _supervise(app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
@@ -127,4 +130,7 @@ def _install_signals(stop: threading.Event) -> dict[int, Any]:
         log.info("consume: signal %s, finishing the current batches", signum)
         stop.set()
 
+    # An operator's (and a test's) look at a consumer that seems stuck: every
+    # thread's stack on stderr, the process going on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
