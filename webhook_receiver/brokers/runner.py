@@ -10,8 +10,8 @@ sources go on.
 
 from __future__ import annotations
 
-import logging
 import faulthandler
+import logging
 import signal
 import threading
 import time
