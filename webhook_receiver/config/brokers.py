@@ -176,22 +176,11 @@ def broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceCo
         return cloud_queue_source(name, table, where)
     if provider in ("redis", "mqtt"):
         return _stream_source(name, table, where)
-    url = table.get("url")
-    if not isinstance(url, str) or url.partition("://")[0].lower() not in _URL_SCHEMES[provider]:
-        schemes = " or ".join(f"{s}://" for s in _URL_SCHEMES[provider])
-        raise ConfigError(f"{where} url must be a {schemes} URL")
-    specs = {key: table.get(key, default) for key, default in _BROKER_DEFAULTS[provider].items()}
-    for key, spec in specs.items():
-        try:
-            parse_broker_spec(spec, provider, key)
-        except ValueError as exc:
-            raise ConfigError(f"{where} {key}: {exc}") from exc
+    url, specs = _url_and_specs(table, provider, where)
     retention = table.get("retention_days", 30)
     size_key = "prefetch" if provider == "rabbitmq" else "batch"
     batch = table.get(size_key, 200)
-    for key, value in (("retention_days", retention), (size_key, batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+    _check_positive({"retention_days": retention, size_key: batch}, where)
     if provider == "rabbitmq":
         queue = table.get("queue")
         if not isinstance(queue, str) or not queue:
@@ -238,6 +227,33 @@ def broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceCo
     )
 
 
+def _url_and_specs(table: dict[str, Any], provider: str, where: str) -> tuple[str, dict[str, Any]]:
+    """A RabbitMQ, NATS, Redis or MQTT source's url and its checked key and type specs."""
+    url = table.get("url")
+    if not isinstance(url, str) or url.partition("://")[0].lower() not in _URL_SCHEMES[provider]:
+        schemes = " or ".join(f"{s}://" for s in _URL_SCHEMES[provider])
+        raise ConfigError(f"{where} url must be a {schemes} URL")
+    specs = {key: table.get(key, default) for key, default in _BROKER_DEFAULTS[provider].items()}
+    _check_specs(specs, provider, where)
+    return url, specs
+
+
+def _check_specs(specs: dict[str, Any], provider: str, where: str) -> None:
+    """ConfigError unless each of ``specs`` (dedup_key, event_type) is one ``provider`` reads."""
+    for key, spec in specs.items():
+        try:
+            parse_broker_spec(spec, provider, key)
+        except ValueError as exc:
+            raise ConfigError(f"{where} {key}: {exc}") from exc
+
+
+def _check_positive(values: dict[str, Any], where: str) -> None:
+    """ConfigError unless each of ``values`` is a positive integer (not a bool)."""
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where} {key} must be a positive integer")
+
+
 def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceConfig:
     """Validate a Kafka source's table (the shape of docs/brokers.md's example)."""
     servers = table.get("bootstrap_servers")
@@ -260,11 +276,7 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
             f"{where} dedup_key is required: 'header:<name>', 'key', 'json:<pointer>' or 'offset'"
         )
     specs = {"dedup_key": table["dedup_key"], "event_type": table.get("event_type", "")}
-    for key, spec in specs.items():
-        try:
-            parse_broker_spec(spec, "kafka", key)
-        except ValueError as exc:
-            raise ConfigError(f"{where} {key}: {exc}") from exc
+    _check_specs(specs, "kafka", where)
     dead = table.get("dead_letter_topic")
     if dead is not None and (not isinstance(dead, str) or not _KAFKA_TOPIC.match(dead)):
         raise ConfigError(f"{where} dead_letter_topic must be a Kafka topic name")
@@ -279,9 +291,7 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
         raise ConfigError(f"{where} offsets must be 'inbox' or 'kafka'")
     retention = table.get("retention_days", 30)
     size = table.get("batch", 500)
-    for key, value in (("retention_days", retention), ("batch", size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+    _check_positive({"retention_days": retention, "batch": size}, where)
     settings = []
     for key, setting in KAFKA_CLIENT_KEYS.items():
         value = table.get(key)
@@ -325,23 +335,12 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
 def _stream_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceConfig:
     """Validate a Redis Streams or MQTT source's table (docs/brokers.md's examples)."""
     provider = table["provider"]
-    url = table.get("url")
-    if not isinstance(url, str) or url.partition("://")[0].lower() not in _URL_SCHEMES[provider]:
-        schemes = " or ".join(f"{s}://" for s in _URL_SCHEMES[provider])
-        raise ConfigError(f"{where} url must be a {schemes} URL")
-    specs = {key: table.get(key, default) for key, default in _BROKER_DEFAULTS[provider].items()}
-    for key, spec in specs.items():
-        try:
-            parse_broker_spec(spec, provider, key)
-        except ValueError as exc:
-            raise ConfigError(f"{where} {key}: {exc}") from exc
+    url, specs = _url_and_specs(table, provider, where)
     numbers = {"retention_days": 30, "batch": 200 if provider == "redis" else 100}
     if provider == "redis":
         numbers.update(claim_idle_seconds=60, max_deliveries=5)
     values = {key: table.get(key, default) for key, default in numbers.items()}
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+    _check_positive(values, where)
     common: dict[str, Any] = {
         "name": name,
         "provider": provider,
@@ -576,16 +575,10 @@ def cloud_queue_source(name: str, table: dict[str, Any], where: str) -> BrokerSo
         "dedup_key": table.get("dedup_key", "message_id"),
         "event_type": table.get("event_type", ""),
     }
-    for key, spec in specs.items():
-        try:
-            cloud_queue_spec(spec, provider, key)
-        except ValueError as exc:
-            raise ConfigError(f"{where} {key}: {exc}") from exc
+    _check_specs(specs, provider, where)
     retention = table.get("retention_days", 30)
     size = table.get("batch", _DEFAULT_BATCH[provider])
-    for key, value in (("retention_days", retention), ("batch", size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+    _check_positive({"retention_days": retention, "batch": size}, where)
     if size > _MAX_BATCH:
         raise ConfigError(f"{where} batch must be at most {_MAX_BATCH}")
     common: dict[str, Any] = {
