@@ -17,7 +17,8 @@ id the broker gives the message, printed, never chosen; a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,6 +53,12 @@ def _describe(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+def _not_declared(source: BrokerSourceConfig, what: str) -> click.ClickException:
+    return _fail(
+        source, f"{what} does not exist: run `flask --app wsgi brokers declare {source.name}` first"
+    )
+
+
 # -- SQS ------------------------------------------------------------------------------
 
 
@@ -73,7 +80,7 @@ def declare_sqs(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
             existed = _sqs_exists(client, url)
             made = client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
         except botocore.exceptions.ClientError as exc:
-            raise _fail(source, f"{shown}: {exc.response.get('Error', {}).get('Message')}") from exc
+            raise _fail(source, f"{shown}: {_aws_error(exc, 'Message')}") from exc
         except _AWS_ERRORS as exc:
             raise _fail(source, f"SQS at {_where(source)}: {_describe(exc)}") from exc
         if made.rstrip("/") != url.rstrip("/"):
@@ -89,7 +96,7 @@ def _sqs_exists(client: Any, url: str) -> bool:
     try:
         client.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])
     except botocore.exceptions.ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in _NO_QUEUE:
+        if _aws_error(exc, "Code") in _NO_QUEUE:
             return False
         raise
     return True
@@ -97,6 +104,11 @@ def _sqs_exists(client: Any, url: str) -> bool:
 
 def _where(source: BrokerSourceConfig) -> str:
     return source.endpoint_url or source.region or "AWS"
+
+
+def _aws_error(exc: botocore.exceptions.ClientError, field: str) -> Any:
+    """The ``Code`` or ``Message`` of the error an AWS service answered with."""
+    return exc.response.get("Error", {}).get(field)
 
 
 def publish_sqs(
@@ -126,12 +138,8 @@ def publish_sqs(
     try:
         sent = client.send_message(**request)
     except botocore.exceptions.ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in _NO_QUEUE:
-            raise _fail(
-                source,
-                f"queue {source.url} does not exist: "
-                f"run `flask --app wsgi brokers declare {source.name}` first",
-            ) from exc
+        if _aws_error(exc, "Code") in _NO_QUEUE:
+            raise _not_declared(source, f"queue {source.url}") from exc
         raise _fail(source, f"SQS refused the message: {_describe(exc)}") from exc
     except _AWS_ERRORS as exc:
         raise _fail(source, f"cannot reach SQS at {_where(source)}: {_describe(exc)}") from exc
@@ -144,8 +152,7 @@ def publish_sqs(
 
 def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
     """Create the dead-letter topic (and its subscription), then the subscription; a line each."""
-    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    try:
+    with _pubsub_clients(source) as (publisher, subscriber):
         dead = source.dead_letter_topic
         if dead:
             say(_put_topic(publisher, dead))
@@ -161,6 +168,14 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
         topic = path.replace("/subscriptions/", "/topics/", 1)
         say(_put_topic(publisher, topic))
         say(_put_subscription(subscriber, path, topic, f"ack deadline {ACK_DEADLINE_SECONDS} s"))
+
+
+@contextmanager
+def _pubsub_clients(source: BrokerSourceConfig) -> Iterator[tuple[Any, Any]]:
+    """A publisher and a subscriber client, closed after; a Google error as the command's."""
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        yield publisher, subscriber
     except _GOOGLE_ERRORS as exc:
         raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
     finally:
@@ -169,20 +184,23 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
 
 
 def _put_topic(publisher: Any, topic: str) -> str:
-    try:
-        publisher.create_topic(name=topic, timeout=10)
-        return f"topic {topic!r}: created"
-    except api_exceptions.AlreadyExists:
-        return f"topic {topic!r}: exists"
+    return _created_or_exists(
+        f"topic {topic!r}", lambda: publisher.create_topic(name=topic, timeout=10)
+    )
 
 
 def _put_subscription(subscriber: Any, path: str, topic: str, what: str) -> str:
-    shown = f"subscription {path!r} (of {topic!r}, {what})"
+    request = {"name": path, "topic": topic, "ack_deadline_seconds": ACK_DEADLINE_SECONDS}
+    return _created_or_exists(
+        f"subscription {path!r} (of {topic!r}, {what})",
+        lambda: subscriber.create_subscription(request=request, timeout=10),
+    )
+
+
+def _created_or_exists(shown: str, create: Callable[[], object]) -> str:
+    """Create what ``shown`` names; its line: created, or exists when it already did."""
     try:
-        subscriber.create_subscription(
-            request={"name": path, "topic": topic, "ack_deadline_seconds": ACK_DEADLINE_SECONDS},
-            timeout=10,
-        )
+        create()
         return f"{shown}: created"
     except api_exceptions.AlreadyExists:
         return f"{shown}: exists"
@@ -197,22 +215,12 @@ def publish_pubsub(
 ) -> str:
     """Publish one message to the subscription's topic; the line to print (its message id)."""
     placed = _place(source, body, key, event_type, content_type)
-    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    try:
+    with _pubsub_clients(source) as (publisher, subscriber):
         try:
             topic = subscriber.get_subscription(subscription=source.subscription, timeout=10).topic
         except api_exceptions.NotFound as exc:
-            raise _fail(
-                source,
-                f"subscription {source.subscription!r} does not exist: "
-                f"run `flask --app wsgi brokers declare {source.name}` first",
-            ) from exc
+            raise _not_declared(source, f"subscription {source.subscription!r}") from exc
         message_id = publish_exactly(publisher, topic, body, placed.attributes, 30)
-    except _GOOGLE_ERRORS as exc:
-        raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
-    finally:
-        publisher.stop()
-        subscriber.close()
     return f"published to {topic!r} (message id {message_id}): {placed.shown(message_id)}"
 
 
