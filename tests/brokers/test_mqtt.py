@@ -23,6 +23,8 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 from webhook_receiver.processing import publishers
 
+from ..helpers import rows
+from ..helpers.brokers import FORWARDED, assert_forwarded, run_worked_example
 from . import worked_examples
 from .conftest import consuming, count_events, start_consume, stop, wait_until
 from .mqtt_fixtures import MqttTopics, mqtt_source
@@ -140,16 +142,10 @@ def test_the_docs_worked_example_runs_as_written(make_app, mqtt_broker):
         "dead_letter_topic": f"{prefix}-dead",
     }
     app = make_app({"sources": {name: table}})
-    for args, expected in commands:
-        if args[0] == "consume":
-            with consuming(app, name):
-                assert wait_until(lambda: count_events(app) == 1, 30)
-        else:
-            worked_examples.run(app, args, expected, swap)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
-        db.session.expunge(event)
-        db.session.rollback()
+    run_worked_example(
+        app, name, commands, lambda args, lines: worked_examples.run(app, args, lines, swap)
+    )
+    [event] = rows(app)
     assert (event.dedup_key, event.event_type) == ("r-1", f"{prefix}/sensor-7/events")
     assert event.body == b'{"reading": 21.5}'
 
@@ -158,16 +154,6 @@ def _forward(url: str, topic: str, timeout: float = 10) -> ForwardConfig:
     table = {"name": "bus", "url": url, "topic": topic, "timeout_seconds": timeout}
     [forward] = parse_forwards([table], "test")
     return forward
-
-
-FORWARDED = publishers.BrokerMessage(
-    body=b'{"paid": true}',
-    content_type="application/json",
-    message_id="bus:stripe:evt_1",
-    correlation_id="req-1",
-    event_type="invoice.paid",
-    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
-)
 
 
 def test_a_forward_publishes_with_qos1_what_an_mqtt_source_reads_as_one_event(
@@ -181,17 +167,8 @@ def test_a_forward_publishes_with_qos1_what_an_mqtt_source_reads_as_one_event(
     app = make_app({"sources": {SOURCE: table}})
     with consuming(app, SOURCE):
         assert wait_until(lambda: mqtt_topics.acked() == 2, 30)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
-        db.session.expunge(event)
-        db.session.rollback()
-    assert (event.dedup_key, event.event_type, event.body) == (
-        "bus:stripe:evt_1",
-        "invoice.paid",
-        b'{"paid": true}',
-    )
-    assert (event.content_type, event.correlation_id) == ("application/json", "req-1")
-    assert ["X-Webhook-Event-Id", "7"] in event.headers
+    [event] = rows(app)
+    assert_forwarded(event)
 
 
 def test_a_forward_no_session_subscribes_to_is_a_retryable_failure(mqtt_topics):

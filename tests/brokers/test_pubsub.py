@@ -22,8 +22,10 @@ from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 from webhook_receiver.processing import publishers
-from webhook_receiver.webhooks.providers import PROVIDERS
 
+from ..helpers import brokers as shared
+from ..helpers import rows
+from ..helpers.brokers import FORWARDED
 from . import cloud_examples
 from .cloud_fixtures import PROJECT, Subscription, pubsub_source
 from .conftest import consuming, count_events, duplicate_total, stored_keys, wait_until
@@ -112,10 +114,7 @@ def test_what_is_stored_of_a_message_its_attributes_and_where_it_came_from(
     subscription = pubsub_subscription
     subscription.publish([_message(1, **{"content-type": "application/json", "tenant": "acme"})])
     app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
-    with consuming(app, SOURCE):
-        assert wait_until(lambda: count_events(app) == 1, 30)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
+    event = shared.consume_one(app, SOURCE)
     assert (event.dedup_key, event.event_type, event.content_type) == (
         "m-1",
         "order",
@@ -145,10 +144,6 @@ def test_the_default_key_is_the_message_id_pub_sub_gave_the_message(
     assert {e.event_type for e in events} == {None}
 
 
-def _parse(**table: Any) -> Any:
-    return cfg.parse({"sources": {"jobs": table}}, "receiver.toml", providers=PROVIDERS)
-
-
 @pytest.mark.parametrize(
     ("table", "problem"),
     [
@@ -164,13 +159,11 @@ def _parse(**table: Any) -> Any:
     ],
 )
 def test_a_wrong_pubsub_source_is_refused_with_a_line_naming_it(table, problem):
-    with pytest.raises(cfg.ConfigError, match=r"\[sources\.jobs\]") as refused:
-        _parse(provider="pubsub", **table)
-    assert problem in str(refused.value)
+    shared.assert_source_refused(problem, provider="pubsub", **table)
 
 
 def test_the_issue_s_pubsub_source_names_its_subscription_and_dead_letter_topic_in_full():
-    source = _parse(
+    source = shared.parse_source(
         provider="pubsub",
         project="my-project",
         subscription="jobs-receiver",
@@ -180,7 +173,7 @@ def test_the_issue_s_pubsub_source_names_its_subscription_and_dead_letter_topic_
     assert source.subscription == "projects/my-project/subscriptions/jobs-receiver"
     assert source.dead_letter_topic is None
     assert (source.dedup_key, source.batch) == ("message_id", 200)
-    dead = _parse(
+    dead = shared.parse_source(
         provider="pubsub", project="my-project", subscription="jobs", dead_letter_topic="jobs.dead"
     ).brokers["jobs"]
     assert dead.dead_letter_topic == "projects/my-project/topics/jobs.dead"
@@ -194,19 +187,7 @@ def test_the_docs_worked_example_runs_as_written(make_app, pubsub_host):
     app = make_app({"sources": {name: table}})
     project = f"projects/{table['project']}"
     try:
-        for args, expected in commands:
-            if args[0] == "consume":
-                with consuming(app, name):
-                    assert wait_until(lambda: count_events(app) == 1, 30)
-            else:
-                message_id = cloud_examples.run(app, args, expected, swap)
-        with app.app_context():
-            event = db.session.execute(select(Event)).scalar_one()
-        assert (event.dedup_key, event.event_type, event.body) == (
-            message_id,
-            "job.created",
-            b'{"job": 1}',
-        )
+        shared.run_cloud_example(app, name, commands, swap)
         # Declared again, everything exists.
         again = app.test_cli_runner().invoke(args=["brokers", "declare", name])
         assert again.exit_code == 0, again.output
@@ -230,22 +211,7 @@ def test_publish_to_a_subscription_never_declared_is_one_line_and_exit_status_1(
 ):
     source = pubsub_source(Subscription("wr-test-missing"))
     app = make_app({"sources": {SOURCE: source}})
-    result = app.test_cli_runner().invoke(
-        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
-    )
-    assert result.exit_code == 1
-    assert result.output.count("\n") == 1
-    assert "does not exist: run `flask --app wsgi brokers declare jobs` first" in result.output
-
-
-FORWARDED = publishers.BrokerMessage(
-    body=b'{"paid": true}',
-    content_type="application/json",
-    message_id="bus:stripe:evt_1",
-    correlation_id="req-1",
-    event_type="invoice.paid",
-    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
-)
+    shared.assert_not_declared(shared.publish_order(app, SOURCE), SOURCE)
 
 
 def _forward(topic: str) -> Any:
@@ -265,16 +231,8 @@ def test_a_forward_publishes_a_message_that_a_pubsub_source_reads_as_one_event(
     with consuming(app, SOURCE):
         assert wait_until(lambda: duplicate_total(app) == 1, 30)
         assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
-    assert (event.dedup_key, event.event_type, event.body, event.content_type) == (
-        "bus:stripe:evt_1",
-        "invoice.paid",
-        b'{"paid": true}',
-        "application/json",
-    )
-    assert event.correlation_id == "req-1"
-    assert dict(event.headers)["X-Webhook-Event-Id"] == "7"
+    [event] = rows(app)
+    shared.assert_forwarded(event)
 
 
 def test_a_forward_to_a_topic_that_does_not_exist_is_retried(pubsub_host):

@@ -23,8 +23,10 @@ from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 from webhook_receiver.processing import publishers
-from webhook_receiver.webhooks.providers import PROVIDERS
 
+from ..helpers import brokers as shared
+from ..helpers import rows
+from ..helpers.brokers import FORWARDED
 from . import cloud_examples
 from .cloud_fixtures import SqsQueue, sqs_source
 from .conftest import consuming, count_events, dead_letter_count, duplicate_total, wait_until
@@ -145,10 +147,7 @@ def test_what_is_stored_of_a_message_its_attributes_and_where_it_came_from(
     entry = _entry("m-1", _body(1), **{"content-type": "application/json", "tenant": "acme"})
     entry["MessageAttributes"]["blob"] = {"DataType": "Binary", "BinaryValue": b"\xff\x00"}
     sqs_queue.send([entry])
-    with consuming(app, SOURCE):
-        assert wait_until(lambda: count_events(app) == 1, 30)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
+    event = shared.consume_one(app, SOURCE)
     assert (event.dedup_key, event.event_type, event.content_type) == (
         "m-1",
         "order",
@@ -165,10 +164,6 @@ def test_what_is_stored_of_a_message_its_attributes_and_where_it_came_from(
 
 
 URL = "https://sqs.eu-west-1.amazonaws.com/123456789012/jobs"
-
-
-def _parse(**table: Any) -> Any:
-    return cfg.parse({"sources": {"jobs": table}}, "receiver.toml", providers=PROVIDERS)
 
 
 @pytest.mark.parametrize(
@@ -190,13 +185,11 @@ def _parse(**table: Any) -> Any:
     ],
 )
 def test_a_wrong_sqs_source_is_refused_with_a_line_naming_it(table, problem):
-    with pytest.raises(cfg.ConfigError, match=r"\[sources\.jobs\]") as refused:
-        _parse(provider="sqs", **table)
-    assert problem in str(refused.value)
+    shared.assert_source_refused(problem, provider="sqs", **table)
 
 
 def test_the_issue_s_sqs_source_reads_its_region_from_the_url():
-    source = _parse(
+    source = shared.parse_source(
         provider="sqs",
         queue_url=URL,
         endpoint_url="",
@@ -226,19 +219,7 @@ def test_the_docs_worked_example_runs_as_written(make_app, sqs_endpoint):
     swap = {"'jobs-dead'": f"'{queue.dead}'", "'jobs'": f"'{queue.name}'"}
     app = make_app({"sources": {name: table}})
     try:
-        for args, expected in commands:
-            if args[0] == "consume":
-                with consuming(app, name):
-                    assert wait_until(lambda: count_events(app) == 1, 30)
-            else:
-                message_id = cloud_examples.run(app, args, expected, swap)
-        with app.app_context():
-            event = db.session.execute(select(Event)).scalar_one()
-        assert (event.dedup_key, event.event_type, event.body) == (
-            message_id,
-            "job.created",
-            b'{"job": 1}',
-        )
+        shared.run_cloud_example(app, name, commands, swap)
         assert queue.counts() == (0, 0)
     finally:
         queue.delete()
@@ -248,9 +229,7 @@ def test_publish_refuses_a_key_where_sqs_gives_the_message_its_id(make_app, sqs_
     source = sqs_source(sqs_queue)
     del source["dedup_key"]
     app = make_app({"sources": {SOURCE: source}})
-    result = app.test_cli_runner().invoke(
-        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
-    )
+    result = shared.publish_order(app, SOURCE)
     assert result.exit_code == 2
     assert "publish without --key" in result.output
     assert sqs_queue.counts() == (0, 0)
@@ -259,22 +238,7 @@ def test_publish_refuses_a_key_where_sqs_gives_the_message_its_id(make_app, sqs_
 def test_publish_to_a_queue_never_declared_is_one_line_and_exit_status_1(make_app, sqs_queue):
     source = sqs_source(sqs_queue, queue_url=sqs_queue.url + "-missing")
     app = make_app({"sources": {SOURCE: source}})
-    result = app.test_cli_runner().invoke(
-        args=["brokers", "publish", SOURCE, "--key", "k-1", "--type", "order", "{}"]
-    )
-    assert result.exit_code == 1
-    assert result.output.count("\n") == 1
-    assert "does not exist: run `flask --app wsgi brokers declare jobs` first" in result.output
-
-
-FORWARDED = publishers.BrokerMessage(
-    body=b'{"paid": true}',
-    content_type="application/json",
-    message_id="bus:stripe:evt_1",
-    correlation_id="req-1",
-    event_type="invoice.paid",
-    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
-)
+    shared.assert_not_declared(shared.publish_order(app, SOURCE), SOURCE)
 
 
 def _forward(endpoint: str, queue_url: str) -> Any:
@@ -296,16 +260,8 @@ def test_a_forward_sends_a_message_that_an_sqs_source_reads_as_one_event(make_ap
     with consuming(app, SOURCE):
         assert wait_until(lambda: duplicate_total(app) == 1, 30)
         assert wait_until(lambda: sqs_queue.counts() == (0, 0), 10)
-    with app.app_context():
-        event = db.session.execute(select(Event)).scalar_one()
-    assert (event.dedup_key, event.event_type, event.body, event.content_type) == (
-        "bus:stripe:evt_1",
-        "invoice.paid",
-        b'{"paid": true}',
-        "application/json",
-    )
-    assert event.correlation_id == "req-1"
-    assert dict(event.headers)["X-Webhook-Event-Id"] == "7"
+    [event] = rows(app)
+    shared.assert_forwarded(event)
 
 
 def test_a_forward_to_a_fifo_queue_is_sent_once_within_its_deduplication_window(sqs_endpoint):
@@ -314,7 +270,12 @@ def test_a_forward_to_a_fifo_queue_is_sent_once_within_its_deduplication_window(
     try:
         forward = _forward(sqs_endpoint, queue.url)
         long_key = FORWARDED.message_id + ":" + "k" * 200  # past SQS's 128: its SHA-256
-        for message_id in (FORWARDED.message_id, FORWARDED.message_id, long_key, long_key):
+        for message_id in (
+            FORWARDED.message_id,
+            FORWARDED.message_id,
+            long_key,
+            long_key,
+        ):
             publishers.publish(forward, dataclasses.replace(FORWARDED, message_id=message_id))
         messages = queue.receive_all(queue.url)
         assert [m["MessageAttributes"]["message-id"]["StringValue"] for m in messages] == [
