@@ -43,6 +43,7 @@ import nats
 import pika
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from .broker_rounds import Round, fresh_name, key
 from .run import RESULTS, postgresql_database
 
 RABBIT_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -81,18 +82,12 @@ def _body(key: str, n: int) -> bytes:
     ).encode()
 
 
-def _key(queue_or_stream: str, n: int) -> str:
-    # Unique per queue or stream: the runs of a curve share one database,
-    # and a run's unique messages must not be duplicates of the last run's.
-    return f"{queue_or_stream}-evt-{n}"
-
-
 # -- RabbitMQ -------------------------------------------------------------------
 
 
 class RabbitQueue:
     def __init__(self) -> None:
-        self.name = f"wr-bench-{uuid.uuid4().hex[:8]}"
+        self.name = fresh_name()
         with self.channel() as ch:
             ch.queue_declare(self.name)
 
@@ -108,11 +103,11 @@ class RabbitQueue:
         with self.channel() as ch:
             ch.confirm_delivery()
             for n in range(count):
-                key = _key(self.name, n)
+                message_id = key(self.name, n)
                 props = pika.BasicProperties(
-                    message_id=key, type="order.paid", content_type="application/json"
+                    message_id=message_id, type="order.paid", content_type="application/json"
                 )
-                ch.basic_publish("", self.name, _body(key, n), props)
+                ch.basic_publish("", self.name, _body(message_id, n), props)
 
     def delete(self) -> None:
         with self.channel() as ch:
@@ -142,9 +137,9 @@ class NatsStream:
                     *(
                         js.publish(
                             self.subject,
-                            _body(_key(self.name, n), n),
+                            _body(key(self.name, n), n),
                             headers={
-                                "Nats-Msg-Id": _key(self.name, n),
+                                "Nats-Msg-Id": key(self.name, n),
                                 "Content-Type": "application/json",
                             },
                         )
@@ -293,7 +288,8 @@ def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int
         n = count if size >= 10 else max(500, count // 20)
         rates: dict[str, list[float]] = {"bare": [], "floor": [], "unique": [], "redeliveries": []}
         for _ in range(rounds):
-            times = kafka_times(db_url, n, size, make_app, (_bare_prepare, _bare_store), _body)
+            rnd = Round(db_url, n, size, make_app, consume, _body)
+            times = kafka_times(rnd, (_bare_prepare, _bare_store))
             rates["bare"].append(n / ((times["bare"] + times["bare-after"]) / 2))
             rates["floor"].append(n / times["floor"])
             rates["unique"].append(n / times["unique"])
@@ -316,16 +312,15 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
     so that a machine that speeds up or slows down during the round moves
     the baseline with the runs it is compared with.
     """
+    rnd = Round(db_url, n, size, make_app, consume, _body)
     if broker in ("redis", "mqtt"):
         from .brokers_streams import mqtt_times, redis_times
 
-        timer = redis_times if broker == "redis" else mqtt_times
-        times = timer(db_url, n, size, make_app, consume, _body)
+        times = (redis_times if broker == "redis" else mqtt_times)(rnd)
     elif broker in ("sqs", "pubsub"):
         from .brokers_cloud import pubsub_times, sqs_times
 
-        timer = sqs_times if broker == "sqs" else pubsub_times
-        times = timer(db_url, n, size, make_app, consume, _body)
+        times = (sqs_times if broker == "sqs" else pubsub_times)(rnd)
     elif broker == "rabbitmq":
         queue = RabbitQueue()
         try:
@@ -345,25 +340,14 @@ def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, f
             queue.delete()
     else:
         stream = NatsStream()
+
+        def source_for(durable: str) -> dict[str, Any]:
+            stream.consumer(durable, size)
+            return {"provider": "nats", "url": NATS_URL, "stream": stream.name, "durable": durable}
+
         try:
             stream.fill(n)
-            times = []
-            for durable, is_bare in (
-                ("bare", True),
-                ("unique", False),
-                ("again", False),
-                ("bare-after", True),
-            ):
-                stream.consumer(durable, size)
-                table = {
-                    "provider": "nats",
-                    "url": NATS_URL,
-                    "stream": stream.name,
-                    "durable": durable,
-                    "batch": size,
-                }
-                app = make_app(db_url, table)
-                times.append(consume(app, n, bare=is_bare))
+            times = rnd.timed(source_for)
         finally:
             stream.delete()
     before, unique, again, after = times

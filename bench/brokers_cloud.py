@@ -13,73 +13,56 @@ run's are redeliveries of the ``unique`` run's keys).
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Callable
 from typing import Any
 
-RUNS = (("bare", True), ("unique", False), ("again", False), ("bare-after", True))
+from .broker_rounds import RUNS, Round, fresh_name, key
+
 PROJECT = "wr-bench"
 
 
-def sqs_times(
-    db_url: str,
-    n: int,
-    size: int,
-    make_app: Callable[[str, dict[str, Any]], Any],
-    consume: Callable[..., float],
-    body: Callable[[str, int], bytes],
-) -> list[float]:
+def sqs_times(rnd: Round) -> list[float]:
     """Seconds for each of RUNS, the queue given the ``n`` messages before each."""
     from tests import sqs_server
 
     endpoint = os.environ.get("BENCH_SQS_ENDPOINT") or sqs_server.endpoint()
     os.environ.update(sqs_server.CREDENTIALS)
     client = sqs_server.client(endpoint)
-    name = f"wr-bench-{uuid.uuid4().hex[:8]}"
+    name = fresh_name()
     url = client.create_queue(QueueName=name)["QueueUrl"]
+
+    def source_for(_run: str) -> dict[str, Any]:
+        for start in range(0, rnd.n, 10):
+            entries = []
+            for i in range(start, min(start + 10, rnd.n)):
+                attributes = {"message-id": key(name, i), "type": "order.paid"}
+                attributes["content-type"] = "application/json"
+                entries.append(
+                    {
+                        "Id": str(i - start),
+                        "MessageBody": rnd.body(key(name, i), i).decode(),
+                        "MessageAttributes": {
+                            k: {"DataType": "String", "StringValue": v}
+                            for k, v in attributes.items()
+                        },
+                    }
+                )
+            client.send_message_batch(QueueUrl=url, Entries=entries)
+        return {
+            "provider": "sqs",
+            "queue_url": url,
+            "region": sqs_server.REGION,
+            "endpoint_url": endpoint,
+            "dedup_key": "attribute:message-id",
+            "event_type": "attribute:type",
+        }
+
     try:
-        times = []
-        for _run, is_bare in RUNS:
-            for start in range(0, n, 10):
-                entries = []
-                for i in range(start, min(start + 10, n)):
-                    key = f"{name}-evt-{i}"
-                    attributes = {"message-id": key, "type": "order.paid"}
-                    attributes["content-type"] = "application/json"
-                    entries.append(
-                        {
-                            "Id": str(i - start),
-                            "MessageBody": body(key, i).decode(),
-                            "MessageAttributes": {
-                                k: {"DataType": "String", "StringValue": v}
-                                for k, v in attributes.items()
-                            },
-                        }
-                    )
-                client.send_message_batch(QueueUrl=url, Entries=entries)
-            table = {
-                "provider": "sqs",
-                "queue_url": url,
-                "region": sqs_server.REGION,
-                "endpoint_url": endpoint,
-                "dedup_key": "attribute:message-id",
-                "event_type": "attribute:type",
-                "batch": size,
-            }
-            times.append(consume(make_app(db_url, table), n, bare=is_bare))
-        return times
+        return rnd.timed(source_for)
     finally:
         client.delete_queue(QueueUrl=url)
 
 
-def pubsub_times(
-    db_url: str,
-    n: int,
-    size: int,
-    make_app: Callable[[str, dict[str, Any]], Any],
-    consume: Callable[..., float],
-    body: Callable[[str, int], bytes],
-) -> list[float]:
+def pubsub_times(rnd: Round) -> list[float]:
     """Seconds for each of RUNS, each its own subscription of the topic's ``n`` messages."""
     from google.cloud import pubsub_v1
 
@@ -89,42 +72,39 @@ def pubsub_times(
         os.environ.get("BENCH_PUBSUB_EMULATOR_HOST") or pubsub_emulator.host()
     )
     publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    name = f"wr-bench-{uuid.uuid4().hex[:8]}"
+    name = fresh_name()
     topic = f"projects/{PROJECT}/topics/{name}"
-    paths = [f"projects/{PROJECT}/subscriptions/{name}-{run}" for run, _ in RUNS]
+    paths = {run: f"projects/{PROJECT}/subscriptions/{name}-{run}" for run, _ in RUNS}
     publisher.create_topic(name=topic)
     try:
-        for path in paths:
+        for path in paths.values():
             subscriber.create_subscription(name=path, topic=topic, ack_deadline_seconds=60)
-        for start in range(0, n, 1000):
+        for start in range(0, rnd.n, 1000):
             futures = [
                 publisher.publish(
                     topic,
-                    body(f"{name}-evt-{i}", i),
+                    rnd.body(key(name, i), i),
                     **{
-                        "message-id": f"{name}-evt-{i}",
+                        "message-id": key(name, i),
                         "type": "order.paid",
                         "content-type": "application/json",
                     },
                 )
-                for i in range(start, min(start + 1000, n))
+                for i in range(start, min(start + 1000, rnd.n))
             ]
             for future in futures:
                 future.result(timeout=60)
-        times = []
-        for path, (_run, is_bare) in zip(paths, RUNS, strict=True):
-            table = {
+        return rnd.timed(
+            lambda run: {
                 "provider": "pubsub",
                 "project": PROJECT,
-                "subscription": path,
+                "subscription": paths[run],
                 "dedup_key": "attribute:message-id",
                 "event_type": "attribute:type",
-                "batch": size,
             }
-            times.append(consume(make_app(db_url, table), n, bare=is_bare))
-        return times
+        )
     finally:
-        for path in paths:
+        for path in paths.values():
             subscriber.delete_subscription(subscription=path)
         publisher.delete_topic(topic=topic)
         publisher.stop()

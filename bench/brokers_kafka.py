@@ -26,9 +26,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
+
+from .broker_rounds import Round, fresh_name, key
 
 RUNS = ("bare", "floor", "unique", "again", "bare-after")
 TIMEOUT_SECONDS = 600.0
@@ -44,21 +45,15 @@ def bootstrap() -> str:
     return tansu()
 
 
-def kafka_times(
-    db_url: str,
-    n: int,
-    size: int,
-    make_app: Callable[[str, dict[str, Any]], Any],
-    bare: tuple[Any, Any],
-    body: Callable[[str, int], bytes],
-) -> dict[str, float]:
-    """Seconds for each of RUNS over one topic of ``n`` records."""
+def kafka_times(rnd: Round, bare: tuple[Any, Any]) -> dict[str, float]:
+    """Seconds for each of RUNS over one topic of ``n`` records (the round's consume unused)."""
     from tests.tansu import create_topic
 
+    db_url, n, size = rnd.db_url, rnd.n, rnd.size
     servers = bootstrap()
-    topic = f"wr-bench-{uuid.uuid4().hex[:8]}"
+    topic = fresh_name()
     create_topic(servers, topic)
-    _fill(servers, topic, n, body)
+    _fill(servers, topic, n, rnd.body)
     times: dict[str, float] = {}
     for run in RUNS:
         group = f"{topic}-{run}"
@@ -75,7 +70,7 @@ def kafka_times(
             "batch": size,
             "offsets": "kafka" if run.startswith("bare") else "inbox",
         }
-        app = make_app(db_url, table)
+        app = rnd.make_app(db_url, table)
         if run == "again":
             _forget_positions(app)
         times[run] = _consume(app, n, bare if run.startswith("bare") else None)
@@ -105,15 +100,15 @@ def _fill(servers: str, topic: str, n: int, body: Callable[[str, int], bytes]) -
         }
     )
     for i in range(n):
-        key = f"{topic}-evt-{i}"
+        message_id = key(topic, i)
         headers = [
-            ("message-id", key.encode()),
+            ("message-id", message_id.encode()),
             ("type", b"order.paid"),
             ("content-type", b"application/json"),
         ]
         while True:
             try:
-                producer.produce(topic, value=body(key, i), headers=headers)
+                producer.produce(topic, value=body(message_id, i), headers=headers)
                 break
             except BufferError:
                 producer.poll(0.05)  # the local queue is full: let it drain

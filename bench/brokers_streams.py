@@ -13,85 +13,68 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from .broker_rounds import Round, fresh_name, key
+
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-RUNS = (("bare", True), ("unique", False), ("again", False), ("bare-after", True))
 
 
-def redis_times(
-    db_url: str,
-    n: int,
-    size: int,
-    make_app: Callable[[str, dict[str, Any]], Any],
-    consume: Callable[..., float],
-    body: Callable[[str, int], bytes],
-) -> list[float]:
+def redis_times(rnd: Round) -> list[float]:
     """Seconds for each of RUNS over one stream of ``n`` entries."""
     import redis
 
     client = redis.Redis.from_url(REDIS_URL)
-    stream = f"wr-bench-{uuid.uuid4().hex[:8]}"
+    stream = fresh_name()
+
+    def source_for(group: str) -> dict[str, Any]:
+        client.xgroup_create(stream, group, id="0")
+        return {
+            "provider": "redis",
+            "url": REDIS_URL,
+            "stream": stream,
+            "group": group,
+            "event_type": "field:type",
+        }
+
     try:
-        for start in range(0, n, 1000):
+        for start in range(0, rnd.n, 1000):
             pipe = client.pipeline(transaction=False)
-            for i in range(start, min(start + 1000, n)):
-                key = f"{stream}-evt-{i}"
+            for i in range(start, min(start + 1000, rnd.n)):
                 fields = {
-                    "message_id": key,
+                    "message_id": key(stream, i),
                     "type": "order.paid",
                     "content_type": "application/json",
-                    "body": body(key, i),
+                    "body": rnd.body(key(stream, i), i),
                 }
                 pipe.xadd(stream, fields)  # type: ignore[arg-type]
             pipe.execute()
-        times = []
-        for group, is_bare in RUNS:
-            client.xgroup_create(stream, group, id="0")
-            table = {
-                "provider": "redis",
-                "url": REDIS_URL,
-                "stream": stream,
-                "group": group,
-                "event_type": "field:type",
-                "batch": size,
-            }
-            times.append(consume(make_app(db_url, table), n, bare=is_bare))
-        return times
+        return rnd.timed(source_for)
     finally:
         client.delete(stream)
 
 
-def mqtt_times(
-    db_url: str,
-    n: int,
-    size: int,
-    make_app: Callable[[str, dict[str, Any]], Any],
-    consume: Callable[..., float],
-    body: Callable[[str, int], bytes],
-) -> list[float]:
+def mqtt_times(rnd: Round) -> list[float]:
     """Seconds for each of RUNS, each its own session given the ``n`` messages."""
     from tests import mosquitto
 
     server = mosquitto.start(log_everything=False)
-    prefix = f"wr-bench-{uuid.uuid4().hex[:8]}"
+    prefix = fresh_name()
+
+    def source_for(run: str) -> dict[str, Any]:
+        client_id = f"{prefix}-{run}"
+        _open_session(server.port, client_id, f"{prefix}/{run}/#")
+        _fill(server.port, f"{prefix}/{run}/orders", prefix, rnd.n, rnd.body)
+        return {
+            "provider": "mqtt",
+            "url": server.url,
+            "topics": [f"{prefix}/{run}/#"],
+            "client_id": client_id,
+        }
+
     try:
-        times = []
-        for run, is_bare in RUNS:
-            client_id = f"{prefix}-{run}"
-            _open_session(server.port, client_id, f"{prefix}/{run}/#")
-            _fill(server.port, f"{prefix}/{run}/orders", prefix, n, body)
-            table = {
-                "provider": "mqtt",
-                "url": server.url,
-                "topics": [f"{prefix}/{run}/#"],
-                "client_id": client_id,
-                "batch": size,
-            }
-            times.append(consume(make_app(db_url, table), n, bare=is_bare))
-        return times
+        return rnd.timed(source_for)
     finally:
         mosquitto.stop(server)
 
@@ -133,11 +116,10 @@ def _fill(port: int, topic: str, prefix: str, n: int, body: Callable[[str, int],
     client.loop_start()
     infos = []
     for i in range(n):
-        key = f"{prefix}-evt-{i}"
         properties = Properties(PacketTypes.PUBLISH)
         properties.ContentType = "application/json"
-        properties.UserProperty = [("message-id", key)]
-        infos.append(client.publish(topic, body(key, i), qos=1, properties=properties))
+        properties.UserProperty = [("message-id", key(prefix, i))]
+        infos.append(client.publish(topic, body(key(prefix, i), i), qos=1, properties=properties))
     for info in infos:
         info.wait_for_publish(60)
     client.disconnect()
