@@ -20,9 +20,9 @@ Offsets (``offsets``):
   as duplicates.
 
 On revocation the batch in hand is finished (stored and its offsets
-written) before the partitions are released; one the database could not
-store is dropped whole, and the partitions kept are sought back to where
-it began. A record that conflicts with a stored event (kept for review by
+written) before the partitions are released; what the database could not
+store of a revoked partition is dropped (its next owner reads it from the
+stored offsets). A record that conflicts with a stored event (kept for review by
 the inbox) or cannot be stored (no key, a key that is not UTF-8 text) is
 copied to ``dead_letter_topic`` unchanged (key, value, headers), with
 Kafka Connect's ``__connect.errors.*`` headers naming where it came from
@@ -32,9 +32,11 @@ there; a conflict is known only from that transaction, so a consumer
 killed between the commit and the copy's delivery report leaves the
 conflict in the database for review but no copy on the topic.
 
-The database away: nothing is stored or committed; the consumer lets its
-partitions go (unassigned here, still its own in the group), backs off, and
-assigns them again from where the dropped batch began.
+The database away: nothing is stored or committed; the consumer pauses its
+partitions, keeps the records it holds, backs off, and stores them again;
+once they are stored it resumes, and librdkafka fetches on from the record
+after the last one it handed over. Nothing is sought: the partitions stay
+assigned, as librdkafka's pause and resume leave them.
 The broker away: librdkafka reconnects by itself; the consumer says so once
 per outage, and when it is back.
 """
@@ -147,11 +149,11 @@ class KafkaConsumer(batch.Consumer):
         self._inflight: tuple[list[Message], Future[_Stored]] | None = None
         # The partitions this consumer holds now.
         self._assigned: set[TopicKey] = set()
-        # The partitions let go while the database is away, and where each is
-        # read from when assigned again, once the back-off is over.
-        self._away: dict[TopicKey, int] = {}
-        # Where each partition was assigned from (the inbox's stored offset).
-        self._start: dict[TopicKey, int] = {}
+        # While the database is away: the records taken but not stored, in
+        # the order they came, stored again once the back-off is over; and
+        # whether the partitions are paused (until those records are stored).
+        self._held: list[Message] = []
+        self._paused = False
         self._paused_until: float | None = None
         self._broker_probe_at = 0.0
         # Per partition, the next offset of the batches settled so far.
@@ -168,9 +170,9 @@ class KafkaConsumer(batch.Consumer):
 
     def session(self) -> None:
         self._assigned.clear()
-        self._away.clear()
-        self._start.clear()
+        self._held.clear()
         self._done.clear()
+        self._paused = False
         self._paused_until = None
         consumer = Consumer(
             {
@@ -239,7 +241,8 @@ class KafkaConsumer(batch.Consumer):
 
     def _loop(self, consumer: Any) -> None:
         while not self.stop.is_set():
-            if self._paused_until is not None and not self._resume_when_due(consumer):
+            if self._paused_until is not None:
+                self._retry_when_due(consumer)
                 continue
             wait = BATCH_WAIT_SECONDS if self._inflight is not None else IDLE_WAIT_SECONDS
             records = self._usable(self._take(consumer, wait))
@@ -282,18 +285,9 @@ class KafkaConsumer(batch.Consumer):
                 log.warning(
                     "source %s: kafka: %s", self.source.name, error.str(), extra=self._extra()
                 )
-            elif _where(record) in self._away:
-                # Fetched before its partition was let go (the database away during
-                # a revocation in this consume()): read again from here.
-                self._hold_away(record)
             elif _where(record) in self._assigned:
                 usable.append(record)
         return usable
-
-    def _hold_away(self, record: Message) -> None:
-        key, offset = _where(record), _offset(record)
-        at = self._away[key]
-        self._away[key] = offset if at < 0 else min(at, offset)
 
     def _probe_broker(self, consumer: Any, got_records: bool) -> None:
         now = time.monotonic()
@@ -354,10 +348,13 @@ class KafkaConsumer(batch.Consumer):
         try:
             stored = future.result()
         except batch.DatabaseUnavailable as exc:
-            self._drop([*records, *arrived], self.database.failed(exc))
+            self._hold([*records, *arrived], self.database.failed(exc))
             return False
         self.database.recovered()
         self._settle(stored)
+        if self._paused and not self._held:
+            self._paused = False
+            self._consumer.resume(self._topic_partitions(self._assigned))
         return True
 
     def _finish_inflight(self) -> None:
@@ -415,49 +412,40 @@ class KafkaConsumer(batch.Consumer):
                 extra=self._extra(),
             )
 
-    def _drop(self, records: Iterable[Message], delay: float) -> None:
-        """Drop records not stored; let the partitions go a while, then read them again.
+    def _hold(self, records: Iterable[Message], delay: float) -> None:
+        """Keep records the database could not store; pause the partitions for ``delay``.
 
-        Unassigned here (the group still counts them this consumer's), each
-        partition is assigned again after ``delay`` at the first record
-        dropped, else where it stood. Assigning with an offset is
-        librdkafka's way to set where a partition is read from; a pause,
-        seek and resume in quick succession can leave consume() waiting.
+        Paused, a partition stays assigned and librdkafka hands over nothing
+        more of it; resumed, it fetches on from the record after the last
+        one handed over, so the held records and what follows them come in
+        order, none twice, with no seek (a pause, seek and resume in quick
+        succession can leave consume() waiting for good).
         """
-        first: dict[TopicKey, int] = {}
-        for record in records:
-            where, offset = _where(record), _offset(record)
-            first[where] = min(first.get(where, offset), offset)
-        held = [tp for tp in self._topic_partitions(self._assigned) if _key(tp) not in self._away]
-        if held:
-            for tp in self._consumer.position(held):
-                key = _key(tp)
-                at = first.get(key, tp.offset if tp.offset >= 0 else self._start.get(key))
-                self._away[key] = OFFSET_INVALID if at is None else at
-            self._consumer.incremental_unassign(held)
+        self._held += [record for record in records if _where(record) in self._assigned]
+        if not self._paused:
+            self._paused = True
+            self._consumer.pause(self._topic_partitions(self._assigned))
         self._paused_until = time.monotonic() + delay
 
-    def _resume_when_due(self, consumer: Any) -> bool:
-        """While the partitions are away, serve the group's callbacks; True once back."""
+    def _retry_when_due(self, consumer: Any) -> None:
+        """While backing off, serve the group's callbacks; then store the held records again."""
         assert self._paused_until is not None
-        if time.monotonic() < self._paused_until:
-            came = consumer.consume(
-                self.source.batch, min(0.1, self._paused_until - time.monotonic())
-            )
-            for record in self._usable(came):  # none should come; any is read again
-                self._away.setdefault(_where(record), _offset(record))
-                self._hold_away(record)
-            return False
-        back = [
-            TopicPartition(topic, partition, offset)
-            for (topic, partition), offset in self._away.items()
-            if (topic, partition) in self._assigned
-        ]
-        self._away.clear()
+        left = self._paused_until - time.monotonic()
+        if left > 0:
+            # Paused, the partitions give nothing; a record queued before the
+            # pause may still come, and is held after those before it.
+            came = self._usable(consumer.consume(self.source.batch, min(0.1, left)))
+            self._held += came
+            return
         self._paused_until = None
-        if back:
-            consumer.incremental_assign(back)
-        return True
+        records, self._held = self._held, []
+        if records:
+            # Settled by the loop's next turn: stored, the partitions resume;
+            # the database still away, held again for a longer back-off.
+            self._submit(records, self.prepare(self.source, records, self._broker_message))
+        else:
+            self._paused = False  # their partitions were all revoked meanwhile
+            consumer.resume(self._topic_partitions(self._assigned))
 
     @staticmethod
     def _topic_partitions(keys: Iterable[TopicKey]) -> list[TopicPartition]:
@@ -472,15 +460,11 @@ class KafkaConsumer(batch.Consumer):
                 offset = stored.get((tp.topic, tp.partition))
                 # Else the group's committed offset, else auto.offset.reset.
                 tp.offset = OFFSET_INVALID if offset is None else offset
-                if offset is not None:
-                    self._start[_key(tp)] = offset
         self._assigned.update(_key(tp) for tp in partitions)
-        if self._paused_until is None:
-            consumer.incremental_assign(partitions)
-        else:
-            # The database is away: assigned with the others once the back-off is over.
-            self._away.update((_key(tp), tp.offset) for tp in partitions)
-            consumer.incremental_assign([])
+        consumer.incremental_assign(partitions)
+        if self._paused:
+            # The database is away: read with the others once the held records are stored.
+            consumer.pause(partitions)
         if not self._joined:
             # In the group now (with partitions or none, as it has more members than those).
             self._joined = True
@@ -537,13 +521,13 @@ class KafkaConsumer(batch.Consumer):
         )
 
     def _release(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        """Unassign what the group takes back (those let go already are not assigned)."""
-        consumer.incremental_unassign([tp for tp in partitions if _key(tp) not in self._away])
-        for tp in partitions:
-            key = _key(tp)
-            self._assigned.discard(key)
-            for kept in (self._away, self._start, self._done):
-                kept.pop(key, None)
+        """Unassign what the group takes back; its held records are its next owner's to read."""
+        consumer.incremental_unassign(partitions)
+        released = {_key(tp) for tp in partitions}
+        self._assigned -= released
+        self._held = [record for record in self._held if _where(record) not in released]
+        for key in released:
+            self._done.pop(key, None)
 
     # -- dead letters -----------------------------------------------------------------
 
