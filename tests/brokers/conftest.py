@@ -32,8 +32,9 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event, EventConflict
 from webhook_receiver.observability import metrics
 
-from ..conftest import CI
 from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
+from ..helpers import unavailable
+from ..helpers import unreachable as _unavailable  # the fixture modules' name for it
 from ..servers import BIN, ROOT, app_env, free_port, stop, wait_until
 from .cloud_fixtures import (  # noqa: F401  (fixtures)
     pubsub_host,
@@ -46,13 +47,6 @@ from .redis_fixtures import redis_stream, redis_url  # noqa: F401  (fixtures)
 
 RABBIT_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS_URL = os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222")
-
-
-def _unavailable(what: str, exc: BaseException) -> None:
-    message = f"{what} is not reachable: {type(exc).__name__}: {exc}"
-    if CI:
-        pytest.fail(f"{message} (CI: broker tests must run)")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
@@ -342,9 +336,7 @@ NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 def private_nats(tmp_path: Path) -> Iterator[PrivateNats]:
     """A private nats-server on a free port, stopped when the block ends."""
     if not os.path.exists(NATS_SERVER):
-        if CI:
-            pytest.fail("nats-server not found: CI must run the NATS restart test")
-        pytest.skip("nats-server not found")
+        unavailable("nats-server not found")
     server = PrivateNats(tmp_path / "nats-store", free_port())
     server.start()
     try:

@@ -45,6 +45,11 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def unreachable(what: str, exc: BaseException) -> NoReturn:
+    """Skip the test (in CI fail it): the server ``what`` did not answer, ``exc`` says how."""
+    unavailable(f"{what} is not reachable: {type(exc).__name__}: {exc}")
+
+
 # -- rows ----------------------------------------------------------------------
 
 
