@@ -352,8 +352,7 @@ class Worker:
                     raise _LeaseLost()
                 if key is not None and not ordering.advance(snap.source, key, claim.event_id, now):
                     deliveries.mark_skipped(claim, now, ordering.STALE)
-                    self._log_attempt(claim, attempt_log.SKIPPED, error=ordering.STALE)
-                    return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
+                    return self._skipped_as_stale(claim, snap)
                 event = session.get(Event, claim.event_id, populate_existing=True)
                 consumer.handler.func(event, session)
                 if not deliveries.mark_delivered(claim, self.clock()):
@@ -381,11 +380,8 @@ class Worker:
         assert consumer.forward is not None
         if key is not None:
             with self._watch("worker ordering check"), unit_of_work():
-                skipped = ordering.skip_if_stale(claim, snap.source, key, self.clock())
-                if skipped:
-                    self._log_attempt(claim, attempt_log.SKIPPED, error=ordering.STALE)
-            if skipped:
-                return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
+                if ordering.skip_if_stale(claim, snap.source, key, self.clock()):
+                    return self._skipped_as_stale(claim, snap)
         out = forwarding.Outgoing(
             event_id=claim.event_id,
             source=snap.source,
@@ -423,6 +419,11 @@ class Worker:
                 # only moves forward.
                 ordering.advance(snap.source, key, claim.event_id, now)
         return self._outcome(claim, snap, DELIVERED, status=result.status)
+
+    def _skipped_as_stale(self, claim: Claim, snap: _Snapshot) -> AttemptOutcome:
+        """Log the attempt skipped (a newer version is applied), in the marking unit of work."""
+        self._log_attempt(claim, attempt_log.SKIPPED, error=ordering.STALE)
+        return self._outcome(claim, snap, SKIPPED, error=ordering.STALE)
 
     def _fail(
         self,
