@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from flask import Flask
 
@@ -228,15 +229,7 @@ def queue(
         held.id,
         actor,
         plan.count,
-        extra={
-            "replay_id": held.id,
-            "actor": actor,
-            "via": via,
-            "filters": plan.filter.to_json(),
-            "limit": plan.limit,
-            "new_key": new_key,
-            "matched": plan.count,
-        },
+        extra=_log_fields(held.id, actor, via, plan, new_key),
     )
     return held.id
 
@@ -249,17 +242,26 @@ def _log_done(done: Done, actor: str, via: str, plan: Preview, new_key: bool) ->
         done.replayed,
         done.matched,
         extra={
-            "replay_id": done.replay_id,
-            "actor": actor,
-            "via": via,
-            "filters": plan.filter.to_json(),
-            "limit": plan.limit,
-            "new_key": new_key,
-            "matched": done.matched,
+            **_log_fields(done.replay_id, actor, via, plan, new_key),
             "replayed": done.replayed,
             "consumers": dict(done.consumers),
         },
     )
+
+
+def _log_fields(
+    replay_id: int, actor: str, via: str, plan: Preview, new_key: bool
+) -> dict[str, Any]:
+    """A replay's log fields: who asked, through what, for what, and how many it matched."""
+    return {
+        "replay_id": replay_id,
+        "actor": actor,
+        "via": via,
+        "filters": plan.filter.to_json(),
+        "limit": plan.limit,
+        "new_key": new_key,
+        "matched": plan.count,
+    }
 
 
 class Runner:
