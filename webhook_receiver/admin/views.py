@@ -234,15 +234,30 @@ def _chosen_ids() -> list[int]:
     return sorted({int(raw) for raw in chosen})
 
 
+def _action_form() -> tuple[list[int], str]:
+    """An action's chosen delivery ids, and the page to go back to (by default, dead letters)."""
+    return _chosen_ids(), auth.safe_next(request.form.get("next")) or url_for("admin.dead")
+
+
 def _plural(count: int) -> str:
     return f"{count} {'delivery' if count == 1 else 'deliveries'}"
+
+
+def _back_with_result(
+    target: str, done: int, chosen: int, action: str, why_not: str
+) -> ResponseReturnValue:
+    """Back to ``target``, saying how many of the chosen were ``action`` and why not the rest."""
+    message = f"{action.capitalize()} {_plural(done)}."
+    if done < chosen:
+        message += f" {chosen - done} could not be {action} ({why_not})."
+    flash(message, "success" if done else "warning")
+    return redirect(target)
 
 
 @bp.post("/deliveries/requeue")
 def requeue() -> ResponseReturnValue:
     """Requeue the chosen dead, failed or stuck deliveries."""
-    ids = _chosen_ids()
-    target = auth.safe_next(request.form.get("next")) or url_for("admin.dead")
+    ids, target = _action_form()
     if not ids:
         flash("Nothing was selected.", "warning")
         return redirect(target)
@@ -252,21 +267,15 @@ def requeue() -> ResponseReturnValue:
     if allowed:
         with unit_of_work():
             count = deliveries.requeue(allowed, now)
-    message = f"Requeued {_plural(count)}."
-    if count < len(ids):
-        message += (
-            f" {len(ids) - count} could not be requeued"
-            " (delivered, skipped, discarded or in progress)."
-        )
-    flash(message, "success" if count else "warning")
-    return redirect(target)
+    return _back_with_result(
+        target, count, len(ids), "requeued", "delivered, skipped, discarded or in progress"
+    )
 
 
 @bp.post("/deliveries/discard")
 def discard() -> ResponseReturnValue:
     """Discard the chosen dead deliveries for good, once the operator has confirmed it."""
-    ids = _chosen_ids()
-    target = auth.safe_next(request.form.get("next")) or url_for("admin.dead")
+    ids, target = _action_form()
     if not ids:
         flash("Nothing was selected.", "warning")
         return redirect(target)
@@ -296,14 +305,13 @@ def discard() -> ResponseReturnValue:
             "delivery_ids": [item.id for item in done],
         },
     )
-    message = f"Discarded {_plural(len(done))}."
-    if len(done) < len(ids):
-        message += (
-            f" {len(ids) - len(done)} could not be discarded"
-            " (not dead: requeued, in progress, delivered, skipped or already discarded)."
-        )
-    flash(message, "success" if done else "warning")
-    return redirect(target)
+    return _back_with_result(
+        target,
+        len(done),
+        len(ids),
+        "discarded",
+        "not dead: requeued, in progress, delivered, skipped or already discarded",
+    )
 
 
 # -- dead letters ------------------------------------------------------------
