@@ -22,7 +22,6 @@ from webhook_receiver import inbox
 from webhook_receiver.brokers import batch as broker_batch
 from webhook_receiver.extensions import db
 from webhook_receiver.inbox import batch_statements, batch_writes, duplicates, statements
-from webhook_receiver.inbox.rows import event_values
 from webhook_receiver.models import Event, EventConflict, EventDuplicate, utcnow
 
 from ..helpers import RABBIT_SOURCE
@@ -336,8 +335,7 @@ def _commit_level_after(messages: list[inbox.Message]) -> str:
     first: dict[tuple[str, str], int] = {}
     for index, m in enumerate(messages):
         first.setdefault((m.source, m.dedup_key), index)
-    rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
-    batch = batch_writes.Batch(messages, first, rows, now, None, {}, True)
+    batch = batch_writes.Batch(messages, first, now, None, {}, True)
     pooled = engine.raw_connection()
     driver: Any = pooled.driver_connection
     try:

@@ -32,7 +32,7 @@ from .batch_writes import (
 )
 from .logs import log, log_batch, log_outcome
 from .messages import Accepted, BatchRefused, Conflict, Duplicate, Message, Outcome
-from .rows import EventUnderKey, Position, event_values, keep_conflicts
+from .rows import EventUnderKey, Position, keep_conflicts
 from .statements import Statements, for_engine
 
 
@@ -98,8 +98,7 @@ def receive_many(
     first: dict[tuple[str, str], int] = {}
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
-    rows = [event_values(messages[i], messages[i].received_at or now) for i in first.values()]
-    batch = Batch(messages, first, rows, now, content_fingerprint, moved, counts_in_transaction)
+    batch = Batch(messages, first, now, content_fingerprint, moved, counts_in_transaction)
     try:
         outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
     except _Refused as refused:

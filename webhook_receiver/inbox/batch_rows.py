@@ -8,14 +8,31 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, Integer, LargeBinary, String
+from sqlalchemy import JSON, Integer, LargeBinary, String, insert
 
 from ..database_driver import DriverStatement, FastPathError
 from ..models import UTCDateTime
-from .tables import DELIVERY_COLUMNS, EVENT_COLUMNS, deliveries, events
+from ..outbox.deliveries import new_delivery_columns
+from .messages import Message
+from .tables import (
+    DELIVERY_COLUMNS,
+    DELIVERY_DEFAULTS,
+    EVENT_COLUMNS,
+    deliveries,
+    event_row,
+    events,
+)
+
+if TYPE_CHECKING:
+    from .rows import Routes
+
+
+# SQLite binds at most 32,766 parameters in one statement.
+MAX_PARAMETERS = 32_766
 
 
 class SqliteBatch:
@@ -25,7 +42,9 @@ class SqliteBatch:
     execution machinery; here a DriverStatement's converters make each
     row's values, and one multi-row ``INSERT ... ON CONFLICT DO NOTHING``
     takes up to ``chunk`` rows. The keys already taken are then one lookup
-    each, from one JSON parameter.
+    each, from one JSON parameter. The new events' deliveries are
+    multi-row INSERTs the same way (``deliveries``): through Core, their
+    three times per row made them the batch's largest cost in Python.
 
     Every read answers one row, its rows as one JSON array: the driver lets
     go of the GIL for every row it steps to, and each time a busy consumer
@@ -37,21 +56,12 @@ class SqliteBatch:
     ``changes()`` ids ending at ``last_insert_rowid()``.
     """
 
-    # SQLite binds at most 32,766 parameters in one statement.
-    MAX_PARAMETERS = 32_766
+    MAX_PARAMETERS = MAX_PARAMETERS
 
     def __init__(self, insert_events: Any, dialect: Any) -> None:
-        self._one = DriverStatement(insert_events, dialect, EVENT_COLUMNS)
-        sql = self._one.sql
-        values = re.search(r"VALUES (\(\?(?:, \?)*\))", sql)
-        if values is None or sql.count("?") != values.group(1).count("?"):
-            raise FastPathError(f"not a one-row INSERT with only its values bound: {sql!r}")
-        self._head, self._row, self._tail = (
-            sql[: values.start(1)],
-            values.group(1),
-            sql[values.end(1) :],
-        )
-        self.chunk = self.MAX_PARAMETERS // self._row.count("?")
+        self._events = _SqliteRows(insert_events, dialect, EVENT_COLUMNS)
+        self.chunk = self._events.chunk
+        self.deliveries = _SqliteRows(insert(deliveries), dialect, ("event_id", *DELIVERY_COLUMNS))
         self.new_sql = (
             "SELECT json_group_array(json_array(id, source, dedup_key)) FROM events "
             "WHERE id BETWEEN ? AND ?"
@@ -65,6 +75,31 @@ class SqliteBatch:
         )
 
     def insert_sql(self, count: int) -> str:
+        """The events INSERT of ``count`` rows (at most ``chunk``)."""
+        return self._events.insert_sql(count)
+
+    def params(self, rows: list[dict[str, Any]]) -> list[Any]:
+        """The values of the events ``rows``, row after row, converted by the columns' types."""
+        return self._events.params(rows)
+
+
+class _SqliteRows:
+    """A one-row INSERT of some columns, its ``VALUES`` repeated for many rows (SQLite)."""
+
+    def __init__(self, statement: Any, dialect: Any, columns: tuple[str, ...]) -> None:
+        self._one = DriverStatement(statement, dialect, columns)
+        sql = self._one.sql
+        values = re.search(r"VALUES (\(\?(?:, \?)*\))", sql)
+        if values is None or sql.count("?") != values.group(1).count("?"):
+            raise FastPathError(f"not a one-row INSERT with only its values bound: {sql!r}")
+        self._head, self._row, self._tail = (
+            sql[: values.start(1)],
+            values.group(1),
+            sql[values.end(1) :],
+        )
+        self.chunk = MAX_PARAMETERS // self._row.count("?")
+
+    def insert_sql(self, count: int) -> str:
         """The INSERT of ``count`` rows (at most ``chunk``).
 
         Built each time (microseconds against the rows' conversion): kept,
@@ -76,6 +111,12 @@ class SqliteBatch:
     def params(self, rows: list[dict[str, Any]]) -> list[Any]:
         """The values of ``rows``, row after row, converted by the columns' types."""
         return self._one.rows_params(rows)
+
+    def insert(self, cursor: Any, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` on ``cursor``, ``chunk`` rows a statement."""
+        for start in range(0, len(rows), self.chunk):
+            chunk = rows[start : start + self.chunk]
+            cursor.execute(self.insert_sql(len(chunk)), self.params(chunk))
 
 
 class BatchRows:
@@ -108,12 +149,13 @@ class BatchRows:
         # Only the keys the INSERT skipped are looked up: a batch of new
         # events reads nothing.
         # The CTEs and the results apart, so that a statement may add its own
-        # CTEs (batch_statements.py: a batch's riders).
+        # CTEs and result (batch_statements.py: a batch's riders).
         self.ctes = (
-            f"batch AS ({self._events.select('events')}), "
-            f"inserted AS (INSERT INTO events ({columns}) SELECT * FROM batch "
+            f"batch AS ({self._events.select('events', numbered=True)}), "
+            f"inserted AS (INSERT INTO events ({columns}) SELECT {columns} FROM batch "
             "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key), "
-            f"stored AS ({_TAKEN} FROM (SELECT source, dedup_key FROM batch AS b "
+            f"stored AS ({_TAKEN}, k.n, k.fingerprint AS sent "
+            "FROM (SELECT source, dedup_key, n, fingerprint FROM batch AS b "
             "WHERE NOT EXISTS (SELECT FROM inserted AS i "
             "WHERE i.source = b.source AND i.dedup_key = b.dedup_key)) AS k, "
             f"{_LOOKUP}), "
@@ -122,27 +164,60 @@ class BatchRows:
             f"FROM inserted AS i JOIN ({self._deliveries.select('deliveries')}) AS w "
             "ON w.source = i.source AND w.dedup_key = i.dedup_key)"
         )
+        # One row of JSON texts, each key named by its row's position in the
+        # batch (``n``), a stored event's fingerprint only where it is not the
+        # one sent: a few kilobytes, read at once, where a row per key (its
+        # source, key and fingerprint) came back in several reads, each a
+        # wait for a busy consumer's GIL, and cost Python a tuple a row.
         self.results = (
-            "SELECT id, source, dedup_key, NULL, true FROM inserted "
-            "UNION ALL SELECT id, source, dedup_key, fingerprint, false FROM stored"
+            "(SELECT json_agg(json_build_array(b.n, i.id) ORDER BY b.n)::text "
+            "FROM inserted AS i JOIN batch AS b "
+            "ON b.source = i.source AND b.dedup_key = i.dedup_key), "
+            "(SELECT json_agg(json_build_array(s.n, s.id, nullif(s.fingerprint, s.sent)) "
+            "ORDER BY s.n)::text FROM stored AS s)"
         )
-        self.sql = f"WITH {self.ctes} {self.results}"
+        self.sql = f"WITH {self.ctes} SELECT {self.results}, NULL::boolean"
         # The keys taken by a racing copy, read back with their fingerprints.
         self.find_sql = (
             f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "
             f"AS k(source, dedup_key), {_LOOKUP}"
         )
 
-    def params(self, rows: list[dict[str, Any]], wanted: list[dict[str, Any]]) -> dict[str, str]:
-        """The statement's two JSON documents: the events ``rows``, and the deliveries ``wanted``.
+    def params(self, messages: Iterable[Message], now: datetime, routes: Routes) -> dict[str, str]:
+        """The statement's two JSON documents: the events of ``messages``, and their deliveries.
 
-        Each wanted delivery names its event by source and dedup key; only
-        those of events this statement inserts are written.
+        ``messages`` are each key's first; a message's deliveries are those
+        its routes give were it new, each naming its event by source and
+        dedup key (only those of events this statement inserts are
+        written). Both built as lists in column order, without a dict per
+        row; a delivery's defaults are made and converted once per receipt
+        time (a batch mostly has one).
         """
+        events_rows: list[list[Any]] = []
+        wanted: list[list[Any]] = []
+        defaults: dict[datetime, list[Any]] = {}
+        for message in messages:
+            # As for one message: a new delivery is due from its event's receipt.
+            received_at = message.received_at or now
+            events_rows.append(event_row(message, received_at))
+            consumers = routes(message.source, message.event_type, message.body)
+            if not consumers:
+                continue
+            tail = defaults.get(received_at)
+            if tail is None:
+                tail = defaults[received_at] = self._delivery_defaults(received_at)
+            source, key = message.source, message.dedup_key
+            wanted += [[source, key, name, kind, *tail] for name, kind in consumers]
         return {
-            "events": self._events.document(rows),
-            "deliveries": self._deliveries.document(wanted),
+            "events": self._events.document(events_rows),
+            "deliveries": self._deliveries.document(wanted, converted=True),
         }
+
+    def _delivery_defaults(self, received_at: datetime) -> list[Any]:
+        # A new delivery's defaults, converted: the tail of its document row.
+        columns = new_delivery_columns(received_at)
+        row = [None, None, None, None, *(columns[name] for name in DELIVERY_DEFAULTS)]
+        return self._deliveries.convert([row])[0][4:]
 
 
 # The event under each key ``k``, by one index lookup per key: a join would
@@ -169,7 +244,6 @@ class _JsonRows:
         self, table: Any, names: tuple[str, ...], dialect: Any, keys: tuple[str, ...] = ()
     ) -> None:
         # ``keys``: text columns that are not the table's (a delivery names its event by them).
-        self._names = (*keys, *names)
         expressions = [f"r.v->>{position} AS {key}" for position, key in enumerate(keys)]
         self._converters: list[tuple[int, Callable[[Any], Any], bool]] = []
         for position, name in enumerate(names, start=len(keys)):
@@ -206,33 +280,46 @@ class _JsonRows:
         # The engine's JSON serialiser (database.json_text: orjson).
         self._dumps: Callable[[Any], str] = getattr(dialect, "_json_serializer", None) or json.dumps
 
-    def select(self, param: str) -> str:
-        """The rows of the JSON parameter ``param``, one column each, converted by the database."""
-        return f"SELECT {self._expressions} FROM jsonb_array_elements(%({param})s::jsonb) AS r(v)"
+    def select(self, param: str, *, numbered: bool = False) -> str:
+        """The rows of the JSON parameter ``param``, one column each, converted by the database.
 
-    def document(self, rows: list[dict[str, Any]]) -> str:
-        """``rows`` as the JSON array of arrays ``select`` reads (other keys are ignored)."""
-        names = self._names
-        out = [[row[name] for name in names] for row in rows]
+        ``numbered``: and ``n``, each row's position in the document (from 0).
+        """
+        if not numbered:
+            return (
+                f"SELECT {self._expressions} FROM jsonb_array_elements(%({param})s::jsonb) AS r(v)"
+            )
+        return (
+            f"SELECT {self._expressions}, r.n - 1 AS n "
+            f"FROM jsonb_array_elements(%({param})s::jsonb) WITH ORDINALITY AS r(v, n)"
+        )
+
+    def document(self, rows: list[list[Any]], *, converted: bool = False) -> str:
+        """``rows`` (each its values in column order) as the JSON array of arrays ``select`` reads.
+
+        ``converted``: the rows' values are converted already (see convert).
+        """
+        return self._dumps(rows if converted else self.convert(rows))
+
+    def convert(self, rows: list[list[Any]]) -> list[list[Any]]:
+        """Convert ``rows``' values in place by their columns' types; returns ``rows``."""
         if not self._converters:
-            return self._dumps(out)
-        # A batch's times are mostly one (its receipt): each is converted once.
-        converters: list[tuple[int, Callable[[Any], Any], dict[Any, Any] | None]] = [
-            (position, process, {} if once else None)
-            for position, process, once in self._converters
-        ]
-        for values in out:
-            for position, process, cache in converters:
-                value = values[position]
-                if value is None:
-                    continue
-                if cache is None:
-                    values[position] = process(value)
-                elif value in cache:
-                    values[position] = cache[value]
-                else:
-                    values[position] = cache[value] = process(value)
-        return self._dumps(out)
+            return rows
+        # Column by column; a batch's times are mostly one (its receipt):
+        # each is converted once.
+        for position, process, once in self._converters:
+            if not once:
+                for values in rows:
+                    if (value := values[position]) is not None:
+                        values[position] = process(value)
+                continue
+            done: dict[Any, Any] = {}
+            for values in rows:
+                if (value := values[position]) is not None:
+                    if (converted := done.get(value)) is None:
+                        converted = done[value] = process(value)
+                    values[position] = converted
+        return rows
 
 
 def _then_isoformat(process: Callable[[Any], Any] | None) -> Callable[[Any], str]:

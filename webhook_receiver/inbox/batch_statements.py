@@ -101,8 +101,8 @@ class RiddenBatch:
     server fails within a fraction of a second; a lost position sends the
     consumer back over messages it finds stored.
 
-    Its results are the batch statement's, and one more row, all NULL, when
-    the batch was whole (its riders written).
+    Its result is the batch statement's, whose last column says whether the
+    batch was whole (its riders written).
     """
 
     def __init__(self, rows: BatchRows) -> None:
@@ -147,8 +147,8 @@ class RiddenBatch:
             "next_offset = excluded.next_offset, updated_at = excluded.updated_at)"
         )
         self.sql = (
-            f"WITH {rows.ctes}, {settled}, {whole}, {counted}, {moved} {rows.results} "
-            "UNION ALL SELECT NULL, NULL, NULL, NULL, NULL WHERE (SELECT yes FROM whole)"
+            f"WITH {rows.ctes}, {settled}, {whole}, {counted}, {moved} "
+            f"SELECT {rows.results}, (SELECT yes FROM whole)"
         )
 
     def params(

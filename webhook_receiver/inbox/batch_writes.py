@@ -10,11 +10,10 @@ import orjson
 from sqlalchemy.engine import Connection
 
 from ..database_driver import transaction_cursor
-from ..outbox.deliveries import new_delivery_columns
 from .batch_statements import Positions, RiddenBatch
 from .batch_statements import for_engine as batch_statements_for
 from .messages import Message
-from .rows import EventUnderKey, current_routes, delivery_rows
+from .rows import EventUnderKey, current_routes, delivery_rows, event_values
 from .statements import Statements
 
 # (body, event type, content type) -> the fingerprint of that content, for
@@ -29,8 +28,6 @@ class Batch(NamedTuple):
     # Each key's first message, by index: a key repeated in the batch is
     # settled against it.
     first: dict[tuple[str, str], int]
-    # The events row of each key, in ``first``'s order.
-    rows: list[dict[str, Any]]
     now: datetime
     content_fingerprint: ContentFingerprint | None
     # The positions its transaction moves its source to (see batch_statements.py).
@@ -38,6 +35,16 @@ class Batch(NamedTuple):
     # Whether its redeliveries' counts are written with it (receive_many's
     # counts_in_transaction), rather than by the ledger.
     counts: bool
+
+    def firsts(self) -> list[Message]:
+        """Each key's first message, in ``first``'s order."""
+        messages = self.messages
+        return [messages[i] for i in self.first.values()]
+
+    def event_rows(self) -> list[dict[str, Any]]:
+        """The events row of each key, in ``first``'s order (PostgreSQL's batch makes its own)."""
+        now = self.now
+        return [event_values(m, m.received_at or now) for m in self.firsts()]
 
 
 # What a batch's writes found: the new events' ids, and the events already
@@ -53,7 +60,7 @@ class NotSequential(Exception):
 
 def write_core(conn: Connection, statements: Statements, batch: Batch) -> Written:
     """The plain Core path: insert the events, read the taken keys, insert the deliveries."""
-    inserted = conn.execute(statements.insert_events, batch.rows).all()
+    inserted = conn.execute(statements.insert_events, batch.event_rows()).all()
     new_ids = {(source, key): event_id for event_id, source, key in inserted}
     taken = [key for key in batch.first if key not in new_ids]
     stored: dict[tuple[str, str], EventUnderKey] = {}
@@ -68,7 +75,7 @@ def write_core(conn: Connection, statements: Statements, batch: Batch) -> Writte
 def write_sqlite(conn: Connection, statements: Statements, batch: Batch) -> Written:
     """SQLite: the Core path's writes, the events and the read on the driver (SqliteBatch)."""
     sql = statements.sqlite_batch
-    rows = batch.rows
+    rows = batch.event_rows()
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], EventUnderKey] = {}
     with transaction_cursor(conn) as cursor:
@@ -93,7 +100,7 @@ def write_sqlite(conn: Connection, statements: Statements, batch: Batch) -> Writ
         taken = [key for key in batch.first if key not in new_ids]
         if taken:
             stored = find_taken_sqlite(cursor, statements, taken)
-    _insert_batch_deliveries(conn, statements, batch, new_ids)
+        sql.deliveries.insert(cursor, _batch_deliveries(batch, new_ids))
     return new_ids, stored
 
 
@@ -113,6 +120,13 @@ def _insert_batch_deliveries(
     conn: Connection, statements: Statements, batch: Batch, new_ids: dict[tuple[str, str], int]
 ) -> None:
     """The new events' deliveries (the outbox), in the batch's transaction."""
+    deliveries = _batch_deliveries(batch, new_ids)
+    if deliveries:
+        conn.execute(statements.insert_deliveries, deliveries)
+
+
+def _batch_deliveries(batch: Batch, new_ids: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
+    """The rows of the new events' deliveries."""
     routes = current_routes()
     deliveries = []
     for key, event_id in new_ids.items():
@@ -123,8 +137,7 @@ def _insert_batch_deliveries(
             routes(message.source, message.event_type, message.body),
             message.received_at or batch.now,
         )
-    if deliveries:
-        conn.execute(statements.insert_deliveries, deliveries)
+    return deliveries
 
 
 def write_postgresql_in_transaction(
@@ -157,25 +170,27 @@ def write_postgresql(
     """
     sql = statements.batch_insert
     messages, first = batch.messages, batch.first
-    wanted = _wanted_deliveries([messages[i] for i in first.values()], batch.now)
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], EventUnderKey] = {}
-    text, params = sql.sql, sql.params(batch.rows, wanted)
+    text, params = sql.sql, sql.params(batch.firsts(), batch.now, current_routes())
     if ridden is not None and (batch.positions or batch.counts):
         text = ridden.sql
         params.update(ridden.params(messages, first, batch.positions, batch.counts, batch.now))
-    whole = False
     # Never prepared: planned for each batch, with its rows and the table
     # as they are then. A plan cached early (psycopg prepares a statement on
     # its fifth run) made batches of 100 five times slower as the table grew.
     cursor.execute(text, params, prepare=False)
-    for event_id, source, key, print_, is_new in cursor.fetchall():
-        if is_new is None:  # RiddenBatch's row: the riders were written
-            whole = True
-        elif is_new:
-            new_ids[(source, key)] = event_id
-        else:
-            stored[(source, key)] = EventUnderKey(event_id, print_)
+    new, found, whole = cursor.fetchone()  # whole: RiddenBatch's, the riders were written
+    by_row = list(first)  # the batch's keys, by their row's position
+    if new is not None:
+        for n, event_id in orjson.loads(new):
+            new_ids[by_row[n]] = event_id
+    if found is not None:
+        for n, event_id, print_ in orjson.loads(found):
+            key = by_row[n]
+            # Sent back only when not the batch's own (a conflict).
+            print_ = messages[first[key]].fingerprint if print_ is None else print_
+            stored[key] = EventUnderKey(event_id, print_)
     # Taken by a copy committed while the statement ran: not in its snapshot.
     raced = [key for key in first if key not in new_ids and key not in stored]
     if raced:
@@ -183,7 +198,7 @@ def write_postgresql(
         cursor.execute(sql.find_sql, keys)
         for event_id, source, key, print_ in cursor.fetchall():
             stored[(source, key)] = EventUnderKey(event_id, print_)
-    return PostgresqlWritten(new_ids, stored, whole)
+    return PostgresqlWritten(new_ids, stored, bool(whole))
 
 
 def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
@@ -191,26 +206,3 @@ def write_positions(conn: Connection, moved: Positions, now: datetime) -> None:
     if moved:
         statements = batch_statements_for(conn.engine)
         conn.execute(statements.upsert_positions, statements.position_rows(moved, now))
-
-
-def _wanted_deliveries(messages: list[Message], now: datetime) -> list[dict[str, Any]]:
-    """The deliveries of each message, were it new, named by its source and dedup key."""
-    routes = current_routes()
-    columns: dict[datetime, dict[str, Any]] = {}
-    wanted = []
-    for message in messages:
-        # As for one message: a new delivery is due from its event's receipt.
-        received_at = message.received_at or now
-        if received_at not in columns:
-            columns[received_at] = new_delivery_columns(received_at)
-        for name, kind in routes(message.source, message.event_type, message.body):
-            wanted.append(
-                {
-                    "source": message.source,
-                    "dedup_key": message.dedup_key,
-                    "consumer": name,
-                    "kind": kind,
-                    **columns[received_at],
-                }
-            )
-    return wanted
