@@ -161,6 +161,23 @@ def test_a_restart_reads_on_from_the_inbox_not_from_kafkas_offsets(make_app, kaf
     assert _positions(app) == {(kafka_topic.name, 0): 110}
 
 
+def test_kafkas_offset_behind_the_inbox_is_brought_level_with_nothing_left_to_read(
+    make_app, kafka_topic
+):
+    app = make_app({"sources": {SOURCE: kafka_source(kafka_topic, batch=20)}})
+    kafka_topic.publish([record(n) for n in range(100)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 100 and kafka_topic.lag() == 0, 30)
+    # A consumer killed after its commit, before its asynchronous commit to
+    # Kafka: the group's offset lags the inbox's, and no record is left to
+    # read that would carry the next commit.
+    _commit(kafka_topic, {0: 40})
+    assert kafka_topic.lag() == 60
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: kafka_topic.lag() == 0, 30)
+    assert count_events(app) == 100 and duplicate_total(app) == 0
+
+
 def test_offsets_in_kafka_come_back_as_duplicates_after_a_reset(make_app, kafka_topic):
     app = make_app({"sources": {SOURCE: kafka_source(kafka_topic, offsets="kafka")}})
     kafka_topic.publish([record(n) for n in range(50)])

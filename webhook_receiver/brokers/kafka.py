@@ -158,6 +158,9 @@ class KafkaConsumer(batch.Consumer):
         self._broker_probe_at = 0.0
         # Per partition, the next offset of the batches settled so far.
         self._done: dict[TopicKey, int] = {}
+        # The inbox's offsets of partitions just assigned, committed to Kafka
+        # on the loop's next turn (see _on_assign).
+        self._assigned_at: dict[TopicKey, int] = {}
         # Whether this session's consumer has joined its group (its first assignment).
         self._joined = False
 
@@ -172,6 +175,7 @@ class KafkaConsumer(batch.Consumer):
         self._assigned.clear()
         self._held.clear()
         self._done.clear()
+        self._assigned_at.clear()
         self._paused = False
         self._paused_until = None
         consumer = Consumer(
@@ -241,6 +245,9 @@ class KafkaConsumer(batch.Consumer):
 
     def _loop(self, consumer: Any) -> None:
         while not self.stop.is_set():
+            if self._assigned_at:
+                self._commit(self._assigned_at)
+                self._assigned_at = {}
             if self._paused_until is not None:
                 self._retry_when_due(consumer)
                 continue
@@ -460,6 +467,11 @@ class KafkaConsumer(batch.Consumer):
                 offset = stored.get((tp.topic, tp.partition))
                 # Else the group's committed offset, else auto.offset.reset.
                 tp.offset = OFFSET_INVALID if offset is None else offset
+                if offset is not None:
+                    # Kafka's own offset may lag the inbox's (a consumer killed
+                    # before its asynchronous commit): brought level for lag
+                    # tools, even when nothing is left to read.
+                    self._assigned_at[_key(tp)] = offset
         self._assigned.update(_key(tp) for tp in partitions)
         consumer.incremental_assign(partitions)
         if self._paused:
@@ -528,6 +540,7 @@ class KafkaConsumer(batch.Consumer):
         self._held = [record for record in self._held if _where(record) not in released]
         for key in released:
             self._done.pop(key, None)
+            self._assigned_at.pop(key, None)
 
     # -- dead letters -----------------------------------------------------------------
 
