@@ -9,6 +9,13 @@ them), on SQLite and PostgreSQL:
 - ``receive_many/N``: ``inbox.receive_many()`` with batches of N messages,
   one transaction each.
 
+``--consumer`` calls receive_many as a broker consumer does (a content
+fingerprint, the redeliveries' counts in the batch's transaction) and adds
+``again/N``: the same messages a second time, every one a redelivery.
+``--busy-thread`` runs a thread of pure Python beside the batches, as a
+consumer's reading thread is beside its storing one: each time the
+storing thread waits for the database it must get the GIL back from it.
+
 Each case stores ``--events`` fresh messages whose source has one forward,
 so each new event also writes its delivery (the outbox). Ratios are against
 the bare insert of the same database in the same run. PostgreSQL is the
@@ -21,8 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,14 +114,43 @@ def _receive(messages: list[Any]) -> None:
         inbox.receive(message)
 
 
-def _receive_many(size: int) -> Callable[[list[Any]], None]:
+def _receive_many(size: int, *, consumer: bool = False) -> Callable[[list[Any]], None]:
     def run(messages: list[Any]) -> None:
         from webhook_receiver import inbox
 
+        options: dict[str, Any] = {}
+        if consumer:  # as brokers.batch.store calls it
+            options = {"content_fingerprint": _content_fingerprint, "counts_in_transaction": True}
         for start in range(0, len(messages), size):
-            inbox.receive_many(messages[start : start + size])
+            inbox.receive_many(messages[start : start + size], **options)
 
     return run
+
+
+def _content_fingerprint(body: bytes, event_type: str | None, content_type: str | None) -> str:
+    from webhook_receiver.fingerprint import fingerprint
+
+    return fingerprint([event_type or "", body])
+
+
+@contextmanager
+def _busy_thread(on: bool) -> Iterator[None]:
+    """A thread of pure Python for the block, when ``on``."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if on:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=3000, help="new events per case")
     parser.add_argument("--db", choices=["sqlite", "postgresql"], help="only this database")
     parser.add_argument("--batches", default="1,10,100,500", help="receive_many batch sizes")
+    parser.add_argument(
+        "--consumer", action="store_true", help="receive_many as a broker consumer calls it"
+    )
+    parser.add_argument(
+        "--busy-thread", action="store_true", help="a thread of pure Python beside the batches"
+    )
     args = parser.parse_args(argv)
     pg_url = os.environ.get("BENCH_DATABASE_URL") or os.environ.get("TEST_DATABASE_URL")
     sizes = [int(s) for s in args.batches.split(",") if s]
@@ -133,16 +177,25 @@ def main(argv: list[str] | None = None) -> int:
             cases: list[tuple[str, Callable[[list[Any]], None]]] = [
                 ("bare insert", _bare(app)),
                 ("receive", _receive),
-                *[(f"receive_many/{size}", _receive_many(size)) for size in sizes],
+                *[
+                    (f"receive_many/{size}", _receive_many(size, consumer=args.consumer))
+                    for size in sizes
+                ],
             ]
+            if args.consumer:  # stored once first, not timed: every one a redelivery
+                cases += [(f"again/{size}", _receive_many(size, consumer=True)) for size in sizes]
             base = None
             with app.app_context():
                 _receive_many(100)(_messages(200))  # warm up: connections, statements
                 for case, run in cases:
                     messages = _messages(args.events)
-                    started = time.perf_counter()
-                    run(messages)
-                    seconds = time.perf_counter() - started
+                    if case.startswith("again/"):
+                        run(messages)
+                    busy = args.busy_thread and case.startswith(("receive_many/", "again/"))
+                    with _busy_thread(busy):
+                        started = time.perf_counter()
+                        run(messages)
+                        seconds = time.perf_counter() - started
                     rate = args.events / seconds
                     base = base or rate
                     line = (

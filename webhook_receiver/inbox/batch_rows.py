@@ -139,30 +139,33 @@ class BatchRows:
 
     def __init__(self, dialect: Any) -> None:
         self._events = _JsonRows(events, EVENT_COLUMNS, dialect)
-        self._deliveries = _JsonRows(
-            deliveries, DELIVERY_COLUMNS, dialect, keys=("source", "dedup_key")
-        )
+        self._defaults = _JsonRows(deliveries, DELIVERY_DEFAULTS, dialect)
         columns = ", ".join(EVENT_COLUMNS)
         wanted = ", ".join(DELIVERY_COLUMNS)
         # ``stored`` sees the events committed before the statement; a key
         # taken by a copy committed since is in neither result (find_sql).
         # Only the keys the INSERT skipped are looked up: a batch of new
-        # events reads nothing.
+        # events reads nothing. ``new``: each new event's id by its row.
         # The CTEs and the results apart, so that a statement may add its own
         # CTEs and result (batch_statements.py: a batch's riders).
         self.ctes = (
             f"batch AS ({self._events.select('events', numbered=True)}), "
             f"inserted AS (INSERT INTO events ({columns}) SELECT {columns} FROM batch "
             "ON CONFLICT (source, dedup_key) DO NOTHING RETURNING id, source, dedup_key), "
+            "new AS (SELECT b.n, i.id FROM inserted AS i JOIN batch AS b "
+            "ON b.source = i.source AND b.dedup_key = i.dedup_key), "
             f"stored AS ({_TAKEN}, k.n, k.fingerprint AS sent "
             "FROM (SELECT source, dedup_key, n, fingerprint FROM batch AS b "
             "WHERE NOT EXISTS (SELECT FROM inserted AS i "
             "WHERE i.source = b.source AND i.dedup_key = b.dedup_key)) AS k, "
             f"{_LOOKUP}), "
             f"enqueued AS (INSERT INTO deliveries (event_id, {wanted}) "
-            f"SELECT i.id, {', '.join(f'w.{name}' for name in DELIVERY_COLUMNS)} "
-            f"FROM inserted AS i JOIN ({self._deliveries.select('deliveries')}) AS w "
-            "ON w.source = i.source AND w.dedup_key = i.dedup_key)"
+            "SELECT new.id, w.consumer, w.kind, "
+            f"{', '.join(f'd.{name}' for name in DELIVERY_DEFAULTS)} FROM new "
+            "JOIN (SELECT (r.v->>0)::integer AS n, r.v->>1 AS consumer, r.v->>2 AS kind, "
+            "(r.v->>3)::integer AS d FROM jsonb_array_elements(%(deliveries)s::jsonb) AS r(v)) "
+            "AS w ON w.n = new.n "
+            f"JOIN ({self._defaults.select('defaults', numbered=True)}) AS d ON d.n = w.d)"
         )
         # One row of JSON texts, each key named by its row's position in the
         # batch (``n``), a stored event's fingerprint only where it is not the
@@ -170,9 +173,7 @@ class BatchRows:
         # source, key and fingerprint) came back in several reads, each a
         # wait for a busy consumer's GIL, and cost Python a tuple a row.
         self.results = (
-            "(SELECT json_agg(json_build_array(b.n, i.id) ORDER BY b.n)::text "
-            "FROM inserted AS i JOIN batch AS b "
-            "ON b.source = i.source AND b.dedup_key = i.dedup_key), "
+            "(SELECT json_agg(json_build_array(n, id) ORDER BY n)::text FROM new), "
             "(SELECT json_agg(json_build_array(s.n, s.id, nullif(s.fingerprint, s.sent)) "
             "ORDER BY s.n)::text FROM stored AS s)"
         )
@@ -184,40 +185,38 @@ class BatchRows:
         )
 
     def params(self, messages: Iterable[Message], now: datetime, routes: Routes) -> dict[str, str]:
-        """The statement's two JSON documents: the events of ``messages``, and their deliveries.
+        """The statement's JSON documents: the events of ``messages``, and their deliveries.
 
         ``messages`` are each key's first; a message's deliveries are those
-        its routes give were it new, each naming its event by source and
-        dedup key (only those of events this statement inserts are
-        written). Both built as lists in column order, without a dict per
-        row; a delivery's defaults are made and converted once per receipt
-        time (a batch mostly has one).
+        its routes give were it new (only those of events this statement
+        inserts are written), each naming its event by its row and its
+        defaults (``new_delivery_columns``) by theirs: they are the same
+        for a receipt time, which a batch mostly shares, so each is made,
+        converted and sent once. Rows are lists in column order: no dict
+        per row.
         """
         events_rows: list[list[Any]] = []
-        wanted: list[list[Any]] = []
-        defaults: dict[datetime, list[Any]] = {}
-        for message in messages:
+        wanted: list[tuple[int, str, str, int]] = []
+        defaults: dict[datetime, int] = {}
+        defaults_rows: list[list[Any]] = []
+        for row, message in enumerate(messages):
             # As for one message: a new delivery is due from its event's receipt.
             received_at = message.received_at or now
             events_rows.append(event_row(message, received_at))
             consumers = routes(message.source, message.event_type, message.body)
             if not consumers:
                 continue
-            tail = defaults.get(received_at)
-            if tail is None:
-                tail = defaults[received_at] = self._delivery_defaults(received_at)
-            source, key = message.source, message.dedup_key
-            wanted += [[source, key, name, kind, *tail] for name, kind in consumers]
+            at = defaults.get(received_at)
+            if at is None:
+                at = defaults[received_at] = len(defaults_rows)
+                columns = new_delivery_columns(received_at)
+                defaults_rows.append([columns[name] for name in DELIVERY_DEFAULTS])
+            wanted += [(row, name, kind, at) for name, kind in consumers]
         return {
             "events": self._events.document(events_rows),
-            "deliveries": self._deliveries.document(wanted, converted=True),
+            "deliveries": self._events.dumps(wanted),
+            "defaults": self._defaults.document(defaults_rows),
         }
-
-    def _delivery_defaults(self, received_at: datetime) -> list[Any]:
-        # A new delivery's defaults, converted: the tail of its document row.
-        columns = new_delivery_columns(received_at)
-        row = [None, None, None, None, *(columns[name] for name in DELIVERY_DEFAULTS)]
-        return self._deliveries.convert([row])[0][4:]
 
 
 # The event under each key ``k``, by one index lookup per key: a join would
@@ -240,13 +239,10 @@ class _JsonRows:
     server reads each value by its position (``->>``), in constant time.
     """
 
-    def __init__(
-        self, table: Any, names: tuple[str, ...], dialect: Any, keys: tuple[str, ...] = ()
-    ) -> None:
-        # ``keys``: text columns that are not the table's (a delivery names its event by them).
-        expressions = [f"r.v->>{position} AS {key}" for position, key in enumerate(keys)]
+    def __init__(self, table: Any, names: tuple[str, ...], dialect: Any) -> None:
+        expressions = []
         self._converters: list[tuple[int, Callable[[Any], Any], bool]] = []
-        for position, name in enumerate(names, start=len(keys)):
+        for position, name in enumerate(names):
             column_type = table.c[name].type.dialect_impl(dialect)
             element = _array_element(table.c[name].type)
             if element is None:
@@ -285,21 +281,18 @@ class _JsonRows:
 
         ``numbered``: and ``n``, each row's position in the document (from 0).
         """
+        rows = f"jsonb_array_elements(%({param})s::jsonb)"
         if not numbered:
-            return (
-                f"SELECT {self._expressions} FROM jsonb_array_elements(%({param})s::jsonb) AS r(v)"
-            )
-        return (
-            f"SELECT {self._expressions}, r.n - 1 AS n "
-            f"FROM jsonb_array_elements(%({param})s::jsonb) WITH ORDINALITY AS r(v, n)"
-        )
+            return f"SELECT {self._expressions} FROM {rows} AS r(v)"
+        return f"SELECT {self._expressions}, r.n - 1 AS n FROM {rows} WITH ORDINALITY AS r(v, n)"
 
-    def document(self, rows: list[list[Any]], *, converted: bool = False) -> str:
-        """``rows`` (each its values in column order) as the JSON array of arrays ``select`` reads.
+    def document(self, rows: list[list[Any]]) -> str:
+        """``rows`` (each its values in column order) as the JSON arrays ``select`` reads."""
+        return self._dumps(self.convert(rows))
 
-        ``converted``: the rows' values are converted already (see convert).
-        """
-        return self._dumps(rows if converted else self.convert(rows))
+    def dumps(self, value: Any) -> str:
+        """``value`` as JSON text, by the engine's serialiser."""
+        return self._dumps(value)
 
     def convert(self, rows: list[list[Any]]) -> list[list[Any]]:
         """Convert ``rows``' values in place by their columns' types; returns ``rows``."""
