@@ -2,11 +2,12 @@
 
 The app runs in this process (Flask's test client), as ``python -m bench
 --profile`` does, on a fresh migrated database, three times over: traces
-off, then on with the OTLP/HTTP exporter the receiver uses in production,
-batched, sending to a stand-in collector on loopback (it answers 200 to
-every export and keeps nothing), then off again. Each prints the process's
-CPU time per request for a new API key and a new signed webhook, and the
-ratio of "on" to the mean of the two "off" rounds. The intake's answer
+off, then on with the provider the receiver builds in production
+(``webhook_receiver.tracing.otlp_provider``: OTLP/HTTP, batched) sending to
+a stand-in collector on loopback (it answers 200 to every export and keeps
+nothing), then off again. Each prints the process's CPU time per request
+for a new API key and a new signed webhook (each measure from a collected
+heap), and the ratio of "on" to the mean of the two "off" rounds. The intake's answer
 waits for no export (spans are batched off the request's thread), so CPU
 is what traces take from a worker.
 """
@@ -14,6 +15,7 @@ is what traces take from a worker.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import secrets
 import shutil
@@ -47,13 +49,10 @@ class _Collector(BaseHTTPRequestHandler):
 
 
 def _provider(endpoint: str) -> Any:
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    # The receiver's own provider (its exporter and batching), to the stand-in.
+    from webhook_receiver.tracing import otlp_provider
 
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    return provider
+    return otlp_provider(endpoint)
 
 
 def _round(url: str, provider: Any, tag: str) -> dict[str, float]:
@@ -94,6 +93,10 @@ def _round(url: str, provider: Any, tag: str) -> dict[str, float]:
             post(f"{tag}-warm-{i}")
             deliver(f"{tag}-warm-{i}")
         for name, send in (("api new key", post), ("webhook new", deliver)):
+            # Each measure starts from a collected heap: a full collection set
+            # off by an earlier round's garbage (the migrations', the app's
+            # start) would land on whichever round came next.
+            gc.collect()
             start = time.process_time()
             for i in range(REQUESTS):
                 assert send(f"{tag}-{name}-{i}") in (200, 201)

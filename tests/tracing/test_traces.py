@@ -104,6 +104,12 @@ def test_a_webhook_receipt_the_inbox_the_attempt_and_the_forward_are_one_trace(
     server = next(s for s in spans.values() if s.kind.name == "SERVER")
     assert _hex(server.context.trace_id, 32) == TRACE_ID
     assert _parent_of(server) == SENDER_SPAN
+    assert server.name == "POST /webhooks/<source_name>"
+    assert server.attributes is not None
+    assert server.attributes["http.request.method"] == "POST"
+    assert server.attributes["http.route"] == "/webhooks/<source_name>"
+    assert server.attributes["url.path"] == f"/webhooks/{SOURCE}"
+    assert server.attributes["http.response.status_code"] == 200
     inbox_span = spans["inbox receive"]
     assert _parent_of(inbox_span) == _id_of(server)
     assert inbox_span.attributes["dedup_key"] == "k-1"
@@ -198,3 +204,21 @@ def test_an_invalid_traceparent_is_left_out_and_refuses_nothing(make_app, value)
     )
     with app.app_context():
         assert "traceparent" not in db.session.scalars(select(Event.meta)).one()
+
+
+def test_a_refused_request_has_its_server_span_and_a_probe_has_none(make_app, exporter):
+    app = make_app(config_with(), OTEL_TRACER_PROVIDER=_provider(exporter))
+    client = app.test_client()
+    answer = client.post(
+        "/webhooks/no-such-source", data=b"{}", headers={"traceparent": TRACEPARENT}
+    )
+    assert answer.status_code == 404
+    (server,) = exporter.get_finished_spans()
+    assert server.kind.name == "SERVER"
+    assert _parent_of(server) == SENDER_SPAN
+    assert server.attributes is not None
+    assert server.attributes["http.response.status_code"] == 404
+    assert server.status.status_code.name == "UNSET"  # a client's error is not the server's
+    exporter.clear()
+    assert client.get("/healthz").status_code == 200
+    assert exporter.get_finished_spans() == ()
