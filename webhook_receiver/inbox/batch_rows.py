@@ -163,9 +163,12 @@ class BatchRows:
             "SELECT new.id, w.consumer, w.kind, "
             f"{', '.join(f'd.{name}' for name in DELIVERY_DEFAULTS)} FROM new "
             "JOIN (SELECT (r.v->>0)::integer AS n, r.v->>1 AS consumer, r.v->>2 AS kind, "
-            "(r.v->>3)::integer AS d FROM jsonb_array_elements(%(deliveries)s::jsonb) AS r(v)) "
-            "AS w ON w.n = new.n "
-            f"JOIN ({self._defaults.select('defaults', numbered=True)}) AS d ON d.n = w.d)"
+            "(r.v->>3)::integer AS d, r.i FROM jsonb_array_elements(%(deliveries)s::jsonb) "
+            "WITH ORDINALITY AS r(v, i)) AS w ON w.n = new.n "
+            f"JOIN ({self._defaults.select('defaults', numbered=True)}) AS d ON d.n = w.d "
+            # Ids in the messages' order, as the worker takes them: the joins
+            # above keep no order of their own.
+            "ORDER BY w.i)"
         )
         # One row of JSON texts, each key named by its row's position in the
         # batch (``n``), a stored event's fingerprint only where it is not the
