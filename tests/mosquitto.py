@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .session_server import free_port
+from .session_server import end, free_port
 
 STARTUP_SECONDS = 15.0
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -134,14 +134,7 @@ def start(*, log_everything: bool = True) -> Mosquitto:
 
 def stop(server: Mosquitto) -> None:
     """Stop a Mosquitto started here, and remove its folder."""
-    process = server.process
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    end(server.process)
     shutil.rmtree(server.log.parent, ignore_errors=True)
 
 

@@ -93,13 +93,8 @@ class SessionServer:
     def stop(self) -> None:
         """Stop the server, gently then firmly, and remove its log."""
         process, self._process, self._port = self._process, None, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+        if process is not None:
+            end(process)
         if self._log is not None:
             self._log.unlink(missing_ok=True)
 
@@ -118,3 +113,14 @@ class SessionServer:
         raise RuntimeError(
             f"{self.name} did not start on 127.0.0.1:{port} within {self._startup_seconds} s"
         )
+
+
+def end(process: subprocess.Popen[Any]) -> None:
+    """End a test server's process, gently then firmly (a no-op once it has exited)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)

@@ -25,6 +25,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
 from webhook_receiver.processing import publishers
 
+from ..helpers.brokers import FORWARDED
 from . import worked_examples
 from .conftest import (
     consuming,
@@ -287,16 +288,6 @@ def test_the_docs_worked_example_runs_as_written(make_app, redis_url):
 def _forward(url: str, stream: str) -> ForwardConfig:
     [forward] = parse_forwards([{"name": "bus", "url": url, "stream": stream}], "test")
     return forward
-
-
-FORWARDED = publishers.BrokerMessage(
-    body=b'{"paid": true}',
-    content_type="application/json",
-    message_id="bus:stripe:evt_1",
-    correlation_id="req-1",
-    event_type="invoice.paid",
-    headers={"X-Webhook-Source": "stripe", "X-Webhook-Event-Id": "7"},
-)
 
 
 def test_a_forward_adds_an_entry_that_a_redis_source_reads_as_one_event(make_app, redis_stream):
