@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .forwards import NATS_SUBJECT, PROCESSING_KEYS
+from .forwards import KAFKA_SECURITY_KEYS, NATS_SUBJECT, PROCESSING_KEYS, SECURITY_PROTOCOLS
 from .settings import ConfigError, redact_url
 from .sources import check_source_name, parse_spec
 
@@ -62,15 +62,7 @@ _BROKER_DEFAULTS = {
 # Where a Kafka source's offsets are kept: in the inbox, written in each
 # batch's transaction, or committed to Kafka after it.
 KAFKA_OFFSETS = ("inbox", "kafka")
-# The client settings a Kafka source may pass to librdkafka (its name for each).
-KAFKA_CLIENT_KEYS = {
-    "security_protocol": "security.protocol",
-    "sasl_mechanism": "sasl.mechanisms",
-    "sasl_username": "sasl.username",
-    "sasl_password": "sasl.password",
-    "ssl_ca_location": "ssl.ca.location",
-}
-_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# A source's SASL also signs in by token or Kerberos; a forward's only by password.
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 # Kafka's legal topic names (kafka.common.internals.Topic).
 _KAFKA_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -120,7 +112,7 @@ class BrokerSourceConfig:
     group_id: str | None = None
     dead_letter_topic: str | None = None
     offsets: str = "inbox"
-    # librdkafka's settings for the source's security (KAFKA_CLIENT_KEYS), the
+    # librdkafka's settings for the source's security (KAFKA_SECURITY_KEYS), the
     # SASL password among them: never shown.
     client_settings: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     # Redis Streams (the stream in ``stream``, the consumer group in
@@ -293,7 +285,7 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
     size = table.get("batch", 500)
     _check_positive({"retention_days": retention, "batch": size}, where)
     settings = []
-    for key, setting in KAFKA_CLIENT_KEYS.items():
+    for key, setting in KAFKA_SECURITY_KEYS.items():
         value = table.get(key)
         if value is None:
             continue
@@ -301,9 +293,9 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
             raise ConfigError(f"{where} {key} must be a non-empty string")
         settings.append((setting, value))
     protocol = table.get("security_protocol", "PLAINTEXT")
-    if protocol.upper() not in _SECURITY_PROTOCOLS:
+    if protocol.upper() not in SECURITY_PROTOCOLS:
         raise ConfigError(
-            f"{where} security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}"
+            f"{where} security_protocol must be one of {', '.join(SECURITY_PROTOCOLS)}"
         )
     mechanism = table.get("sasl_mechanism")
     if mechanism is not None and mechanism.upper() not in _SASL_MECHANISMS:

@@ -64,7 +64,7 @@ KAFKA_RECORD_KEYS = ("{dedup_key}", "{event_type}")
 _KAFKA_TOPIC = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,249}$")
 # One host:port of a kafka:// URL (a bracketed IPv6 address too).
 _KAFKA_SERVER = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
-# A Kafka forward's security keys, and librdkafka's name for each.
+# A Kafka forward's or source's security keys, and librdkafka's name for each.
 KAFKA_SECURITY_KEYS = {
     "security_protocol": "security.protocol",
     "sasl_mechanism": "sasl.mechanisms",
@@ -72,7 +72,7 @@ KAFKA_SECURITY_KEYS = {
     "sasl_password": "sasl.password",
     "ssl_ca_location": "ssl.ca.location",
 }
-_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # The mechanisms a username and password sign in with.
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
@@ -343,9 +343,9 @@ def kafka_security(table: dict[str, Any], where: str) -> tuple[tuple[str, str], 
         if value is not None and (not isinstance(value, str) or not value):
             raise ConfigError(f"{where} {name} must be a non-empty string")
     protocol = str(table.get("security_protocol", "PLAINTEXT")).upper()
-    if protocol not in _SECURITY_PROTOCOLS:
+    if protocol not in SECURITY_PROTOCOLS:
         raise ConfigError(
-            f"{where} security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}"
+            f"{where} security_protocol must be one of {', '.join(SECURITY_PROTOCOLS)}"
         )
     sasl = [name for name in ("sasl_mechanism", "sasl_username", "sasl_password") if name in table]
     if protocol.startswith("SASL_"):
