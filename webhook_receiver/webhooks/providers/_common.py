@@ -132,6 +132,30 @@ def stamped_signatures(
     return stamps[0], signatures
 
 
+def verify_stamped(
+    inbound: Inbound,
+    source: SourceConfig,
+    name: str,
+    separator: str,
+    stamp_label: str,
+    signature_label: str,
+    signed_prefix: str,
+) -> None:
+    """Check a ``stamped_signatures`` header: any digest against every secret, then the time.
+
+    Each secret, as its text (not decoded), keys an HMAC-SHA256 of
+    ``signed_prefix`` and the body; the prefix formats ``{stamp}`` as sent
+    or ``{signed_at}`` as parsed, whichever the sender signs.
+    """
+    stamp, signatures = stamped_signatures(inbound, name, separator, stamp_label, signature_label)
+    signed_at = timestamp(stamp, name)
+    message = signed_prefix.format(stamp=stamp, signed_at=signed_at).encode() + inbound.body
+    expected = (hmac_sha256(s.encode(), message) for s in secrets_of(source))
+    if not any_match(expected, signatures):
+        raise SignatureError("signature does not match")
+    check_tolerance(signed_at, inbound, source)
+
+
 def timestamp(value: str, name: str) -> int:
     """Parse a unix-seconds header, raising SignatureError when malformed."""
     # Digits only: int() would also take signs, spaces and underscores.

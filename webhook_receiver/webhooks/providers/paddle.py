@@ -9,7 +9,7 @@ Paddle Billing and is not received.
 from __future__ import annotations
 
 from . import _common as c
-from .base import Identified, Inbound, SignatureError, SourceConfig
+from .base import Identified, Inbound, SourceConfig
 
 
 class PaddleProvider:
@@ -22,13 +22,7 @@ class PaddleProvider:
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """Check any h1 signature against every secret, then the timestamp."""
         # Schemes Paddle may add later are ignored: h1 is what is checked.
-        stamp, signatures = c.stamped_signatures(inbound, "Paddle-Signature", ";", "ts", "h1")
-        signed_at = c.timestamp(stamp, "Paddle-Signature")
-        message = f"{stamp}:".encode() + inbound.body
-        expected = (c.hmac_sha256(s.encode(), message) for s in c.secrets_of(source))
-        if not c.any_match(expected, signatures):
-            raise SignatureError("signature does not match")
-        c.check_tolerance(signed_at, inbound, source)
+        c.verify_stamped(inbound, source, "Paddle-Signature", ";", "ts", "h1", "{stamp}:")
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Retries keep the notification id; the event id is shared by every destination."""
