@@ -13,12 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 
 from ..models import Delivery, Event, Replay
 from ..outbox import attempts
 from ..outbox.replays import Filter
 from .paging import Cursor, Page, keyset_page
+
+
+def with_events(*columns: Any) -> Select[*tuple[Any, ...]]:
+    """Deliveries' ``columns``, then their events' source, type and key: a list of deliveries."""
+    return select(*columns, Event.source, Event.event_type, Event.dedup_key).join(
+        Event, Event.id == Delivery.event_id
+    )
 
 
 def list_deliveries(
@@ -29,28 +36,21 @@ def list_deliveries(
     after: Cursor | None = None,
 ) -> Page:
     """One page of deliveries matching ``flt``, newest event first."""
-    stmt = (
-        select(
-            Delivery.id,
-            Delivery.event_id,
-            Delivery.consumer,
-            Delivery.kind,
-            Delivery.state,
-            Delivery.attempts,
-            Delivery.response_status,
-            Delivery.last_error,
-            Delivery.next_attempt_at,
-            Delivery.updated_at,
-            Delivery.key_replay,
-            Delivery.replay_id,
-            Event.received_at,
-            Event.source,
-            Event.event_type,
-            Event.dedup_key,
-        )
-        .join(Event, Event.id == Delivery.event_id)
-        .where(*flt.conditions())
-    )
+    stmt = with_events(
+        Delivery.id,
+        Delivery.event_id,
+        Delivery.consumer,
+        Delivery.kind,
+        Delivery.state,
+        Delivery.attempts,
+        Delivery.response_status,
+        Delivery.last_error,
+        Delivery.next_attempt_at,
+        Delivery.updated_at,
+        Delivery.key_replay,
+        Delivery.replay_id,
+        Event.received_at,
+    ).where(*flt.conditions())
     return keyset_page(
         stmt,
         Event.received_at,

@@ -33,6 +33,7 @@ from ..models import (
     Rejection,
 )
 from ..outbox import deliveries as delivery_states
+from .delivery_queries import with_events
 from .paging import Cursor, Page, is_row_id, keyset_page
 
 # -- events ------------------------------------------------------------------
@@ -248,23 +249,16 @@ def list_dead(
     after: Cursor | None = None,
 ) -> Page:
     """One page of dead deliveries, most recently died first, with their events."""
-    stmt = (
-        select(
-            Delivery.id,
-            Delivery.updated_at,
-            Delivery.consumer,
-            Delivery.kind,
-            Delivery.attempts,
-            Delivery.last_error,
-            Delivery.response_status,
-            Delivery.event_id,
-            Event.source,
-            Event.event_type,
-            Event.dedup_key,
-        )
-        .join(Event, Event.id == Delivery.event_id)
-        .where(Delivery.state == delivery_states.DEAD)
-    )
+    stmt = with_events(
+        Delivery.id,
+        Delivery.updated_at,
+        Delivery.consumer,
+        Delivery.kind,
+        Delivery.attempts,
+        Delivery.last_error,
+        Delivery.response_status,
+        Delivery.event_id,
+    ).where(Delivery.state == delivery_states.DEAD)
     if consumer:
         stmt = stmt.where(Delivery.consumer == consumer)
     return keyset_page(
