@@ -35,3 +35,19 @@ class BrokerMessage:
             **self.headers,
         }
         return {name: value for name, value in values.items() if value}
+
+    def headers_named(self, message_id: str, content_type: str, event_type: str) -> dict[str, str]:
+        """The id, content type, correlation id, extra headers, then the type if any.
+
+        Under the names the broker's consumers read (NATS and Kafka name
+        them differently); an unknown content type is sent as octet-stream.
+        """
+        headers = {
+            message_id: self.message_id,
+            content_type: self.content_type or "application/octet-stream",
+            "X-Request-Id": self.correlation_id,
+            **self.headers,
+        }
+        if self.event_type:
+            headers[event_type] = self.event_type
+        return headers

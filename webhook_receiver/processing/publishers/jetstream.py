@@ -115,14 +115,7 @@ def _close_nats() -> None:
 
 
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
-    headers = {
-        "Nats-Msg-Id": message.message_id,
-        "Content-Type": message.content_type or "application/octet-stream",
-        "X-Request-Id": message.correlation_id,
-        **message.headers,
-    }
-    if message.event_type:
-        headers["X-Webhook-Event-Type"] = message.event_type
+    headers = message.headers_named("Nats-Msg-Id", "Content-Type", "X-Webhook-Event-Type")
     loop = _loop()
 
     async def go() -> Any:

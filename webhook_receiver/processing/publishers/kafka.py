@@ -153,14 +153,7 @@ def close_producers(timeout: float = 5.0) -> None:
 
 
 def _kafka_headers(message: BrokerMessage) -> list[tuple[str, str | bytes | None]]:
-    headers = {
-        "message-id": message.message_id,
-        "content-type": message.content_type or "application/octet-stream",
-        "X-Request-Id": message.correlation_id,
-        **message.headers,
-    }
-    if message.event_type:
-        headers["type"] = message.event_type
+    headers = message.headers_named("message-id", "content-type", "type")
     return [(name, value.encode("utf-8")) for name, value in headers.items()]
 
 
