@@ -227,6 +227,33 @@ def publish_pubsub(
 # -- where the key and type travel ---------------------------------------------------
 
 
+# What every ``flask brokers publish`` reads alike (these and manage's brokers).
+
+
+def read_body(body: bytes, content_type: str | None) -> tuple[Any, bool, str | None]:
+    """The body as JSON (None when it is not), whether it is, and its content type.
+
+    The content type given, else application/json for a JSON body.
+    """
+    try:
+        parsed: Any = loads(body)
+    except JSONError:
+        return None, False, content_type
+    return parsed, True, content_type or "application/json"
+
+
+def key_and_type_specs(
+    source: BrokerSourceConfig, key: str | None, event_type: str | None
+) -> Iterator[tuple[str, str, str | None, str, str, str]]:
+    """The key spec, then the type spec: name, spec, value given, kind, argument, option."""
+    for name, spec, value in (
+        ("dedup_key", source.dedup_key, key),
+        ("event_type", source.event_type, event_type),
+    ):
+        kind, arg = parse_broker_spec(spec, source.provider, name)
+        yield name, spec, value, kind, arg, "--key" if name == "dedup_key" else "--type"
+
+
 class _Placed:
     """A message's attributes, and where its key and type travel, for the command's line."""
 
@@ -252,20 +279,10 @@ def _place(
 ) -> _Placed:
     """Where the source's specs read the key and type; UsageError for what cannot be placed."""
     placed = _Placed()
-    try:
-        parsed: Any = loads(body)
-        is_json = True
-    except JSONError:
-        parsed, is_json = None, False
-    content_type = content_type or ("application/json" if is_json else None)
+    parsed, is_json, content_type = read_body(body, content_type)
     if content_type:
         placed.attributes["content-type"] = content_type
-    for name, spec, value in (
-        ("dedup_key", source.dedup_key, key),
-        ("event_type", source.event_type, event_type),
-    ):
-        kind, arg = parse_broker_spec(spec, source.provider, name)
-        option = "--key" if name == "dedup_key" else "--type"
+    for name, spec, value, kind, arg, option in key_and_type_specs(source, key, event_type):
         if kind == "json":
             found = pointers.resolve(parsed, arg) if is_json else None
             text = None if found is None or isinstance(found, dict | list) else str(found)

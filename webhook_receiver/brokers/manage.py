@@ -37,9 +37,15 @@ from flask.cli import with_appcontext
 from nats.js.api import StreamConfig
 
 from ..config import BrokerSourceConfig, FileConfig, parse_broker_spec, subject_covers
-from ..fingerprint import JSONError, loads
 from ..outbox.ordering import resolve_pointer
-from .cloud_setup import declare_pubsub, declare_sqs, publish_pubsub, publish_sqs
+from .cloud_setup import (
+    declare_pubsub,
+    declare_sqs,
+    key_and_type_specs,
+    publish_pubsub,
+    publish_sqs,
+    read_body,
+)
 from .mqtt_setup import declare_mqtt, publish_mqtt
 from .redis_setup import declare_redis, publish_redis
 
@@ -507,19 +513,8 @@ def _message(
     content_type: str | None,
 ) -> Outgoing:
     message = Outgoing()
-    parsed: Any = None
-    try:
-        parsed = loads(body)
-        is_json = True
-    except JSONError:
-        is_json = False
-    message.content_type = content_type or ("application/json" if is_json else None)
-    for name, spec, value in (
-        ("dedup_key", source.dedup_key, key),
-        ("event_type", source.event_type, event_type),
-    ):
-        kind, arg = parse_broker_spec(spec, source.provider, name)
-        option = "--key" if name == "dedup_key" else "--type"
+    parsed, is_json, message.content_type = read_body(body, content_type)
+    for name, spec, value, kind, arg, option in key_and_type_specs(source, key, event_type):
         if kind == "json":
             carried = _from_body(source, name, spec, parsed if is_json else None, arg, value)
             if carried is not None:
