@@ -25,7 +25,7 @@ from ..outbox.replays import Filter
 from ..processing import replay
 from . import delivery_queries, paging, presenters
 from .blueprint import bp
-from .views import _cursors, _page_size, _pager, _plural, _sources
+from .views import _cursors, _page_size, _plural, _render_list, _sources
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,9 @@ def deliveries() -> str:
         page = paging.Page([])
     else:
         page = delivery_queries.list_deliveries(flt, limit=_page_size(), **_cursors())
-    return render_template(
+    return _render_list(
         "admin/deliveries.html",
-        page=page,
-        pager=_pager(page),
+        page,
         flt=flt,
         limit=limit,
         errors=errors,
@@ -190,4 +189,4 @@ def _done_message(done: replay.Done, new_key: bool) -> str:
 def replays_list() -> str:
     """List replays, newest first: who asked, when, for what, and how many went again."""
     page = delivery_queries.list_replays(limit=_page_size(), **_cursors())
-    return render_template("admin/replays.html", page=page, pager=_pager(page), now=utcnow())
+    return _render_list("admin/replays.html", page, now=utcnow())

@@ -77,6 +77,11 @@ def _pager(page: paging.Page) -> dict[str, str | None]:
     }
 
 
+def _render_list(template: str, page: paging.Page, **context: Any) -> str:
+    """Render a paged list: its page, the links to its neighbours, and ``context``."""
+    return render_template(template, page=page, pager=_pager(page), **context)
+
+
 def _file_config() -> FileConfig:
     return current_app.config["FILE_CONFIG"]
 
@@ -185,10 +190,9 @@ def events() -> str:
     else:
         page = queries.list_events(filters, limit=_page_size(), **_cursors())
     states = queries.delivery_states_of([row.id for row in page.rows])
-    return render_template(
+    return _render_list(
         "admin/events.html",
-        page=page,
-        pager=_pager(page),
+        page,
         filters=filters,
         errors=errors,
         states={k: presenters.delivery_summary(v) for k, v in states.items()},
@@ -243,6 +247,12 @@ def _plural(count: int) -> str:
     return f"{count} {'delivery' if count == 1 else 'deliveries'}"
 
 
+def _back_with_nothing_chosen(target: str) -> ResponseReturnValue:
+    """Back to ``target``, saying that no delivery was ticked."""
+    flash("Nothing was selected.", "warning")
+    return redirect(target)
+
+
 def _back_with_result(
     target: str, done: int, chosen: int, action: str, why_not: str
 ) -> ResponseReturnValue:
@@ -259,8 +269,7 @@ def requeue() -> ResponseReturnValue:
     """Requeue the chosen dead, failed or stuck deliveries."""
     ids, target = _action_form()
     if not ids:
-        flash("Nothing was selected.", "warning")
-        return redirect(target)
+        return _back_with_nothing_chosen(target)
     now = utcnow()
     allowed = queries.requeueable(ids, now)
     count = 0
@@ -277,8 +286,7 @@ def discard() -> ResponseReturnValue:
     """Discard the chosen dead deliveries for good, once the operator has confirmed it."""
     ids, target = _action_form()
     if not ids:
-        flash("Nothing was selected.", "warning")
-        return redirect(target)
+        return _back_with_nothing_chosen(target)
     # The form's checkbox is required in the browser too; this is the check
     # that counts (no JavaScript, and a form can be posted by hand).
     if request.form.get("confirm") != "yes":
@@ -322,10 +330,9 @@ def dead() -> str:
     """List dead deliveries, to requeue or discard one or many."""
     consumer = request.args.get("consumer", "").strip()
     page = queries.list_dead(limit=_page_size(), consumer=consumer, **_cursors())
-    return render_template(
+    return _render_list(
         "admin/dead.html",
-        page=page,
-        pager=_pager(page),
+        page,
         consumer=consumer,
         page_ids=",".join(str(row.id) for row in page.rows),
     )
@@ -342,10 +349,9 @@ def conflicts() -> str:
         view = "unreviewed"
     page = conflict_reviews.list_conflicts(limit=_page_size(), view=view, **_cursors())
     brokers = _broker_providers()
-    return render_template(
+    return _render_list(
         "admin/conflicts.html",
-        page=page,
-        pager=_pager(page),
+        page,
         view=view,
         views=conflict_reviews.CONFLICT_VIEWS,
         intakes={row.id: presenters.intake(row.source, brokers, row.broker) for row in page.rows},
@@ -411,10 +417,9 @@ def idempotency() -> str:
     page = queries.list_idempotency_records(
         limit=_page_size(), now=now, client=client, state=state, key=key, **_cursors()
     )
-    return render_template(
+    return _render_list(
         "admin/idempotency.html",
-        page=page,
-        pager=_pager(page),
+        page,
         client=client,
         state=state,
         key=key,
@@ -445,10 +450,9 @@ def rejections() -> str:
     source = request.args.get("source", "").strip()
     page = queries.list_rejections(limit=_page_size(), source=source, **_cursors())
     brokers = _broker_providers()
-    return render_template(
+    return _render_list(
         "admin/rejections.html",
-        page=page,
-        pager=_pager(page),
+        page,
         source=source,
         sources=_sources(),
         intakes={
