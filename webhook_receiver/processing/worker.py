@@ -73,6 +73,19 @@ class _Snapshot:
     circuit: circuits.Circuit | None = None
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One claimed delivery as ``process`` found it, for its handler or forward to run."""
+
+    claim: Claim
+    consumer: Consumer
+    snap: _Snapshot
+    # The event's place in its entity's order, when its source has an ordering rule.
+    key: ordering.Key | None
+    # The attempts the consumer may have (its own max_attempts, else the worker's).
+    limit: int
+
+
 class Worker:
     """One worker: a loop over claimable deliveries on the app's database."""
 
@@ -311,7 +324,7 @@ class Worker:
             return self._give_up(
                 claim, snap, f"out of attempts ({limit}); the last one's lease expired", None
             )
-        key = self._ordering_key(consumer, snap)
+        run = _Run(claim, consumer, snap, self._ordering_key(consumer, snap), limit)
         with tracing.span(
             "delivery attempt",
             parent=snap.traceparent,
@@ -322,9 +335,9 @@ class Worker:
             correlation_id=snap.correlation_id,
         ) as span:
             if consumer.handler is not None:
-                outcome = self._run_handler(claim, consumer, snap, key, limit)
+                outcome = self._run_handler(run)
             else:
-                outcome = self._run_forward(claim, consumer, snap, key, limit)
+                outcome = self._run_forward(run)
             if span is not None:
                 span.set_attribute("outcome", outcome.outcome)
         return outcome
@@ -335,14 +348,8 @@ class Worker:
             return None
         return ordering.key_for(consumer.name, snap.body, rule.version, rule.entity)
 
-    def _run_handler(
-        self,
-        claim: Claim,
-        consumer: Consumer,
-        snap: _Snapshot,
-        key: ordering.Key | None,
-        limit: int,
-    ) -> AttemptOutcome:
+    def _run_handler(self, run: _Run) -> AttemptOutcome:
+        claim, consumer, snap, key = run.claim, run.consumer, run.snap, run.key
         assert consumer.handler is not None
         now = self.clock()
         try:
@@ -366,17 +373,11 @@ class Worker:
             permanent = isinstance(exc, PermanentFailure)
             error = f"{type(exc).__name__}: {exc}"
             log.debug("handler %s failed", consumer.name, exc_info=True)
-            return self._fail(claim, snap, error, None, None, limit, permanent=permanent)
+            return self._fail(claim, snap, error, None, None, run.limit, permanent=permanent)
         return self._outcome(claim, snap, DELIVERED)
 
-    def _run_forward(
-        self,
-        claim: Claim,
-        consumer: Consumer,
-        snap: _Snapshot,
-        key: ordering.Key | None,
-        limit: int,
-    ) -> AttemptOutcome:
+    def _run_forward(self, run: _Run) -> AttemptOutcome:
+        claim, consumer, snap, key = run.claim, run.consumer, run.snap, run.key
         assert consumer.forward is not None
         if key is not None:
             with self._watch("worker ordering check"), unit_of_work():
@@ -406,7 +407,7 @@ class Worker:
                 result.error or "failed",
                 result.status,
                 result.retry_after,
-                limit,
+                run.limit,
                 permanent=not result.retryable,
             )
         now = self.clock()
