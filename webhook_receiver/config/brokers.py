@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -173,19 +174,18 @@ def broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceCo
     size_key = "prefetch" if provider == "rabbitmq" else "batch"
     batch = table.get(size_key, 200)
     _check_positive({"retention_days": retention, size_key: batch}, where)
+    common: dict[str, Any] = {
+        "name": name,
+        "provider": provider,
+        "url": url,
+        "retention_days": retention,
+        **specs,
+    }
     if provider == "rabbitmq":
         queue = table.get("queue")
         if not isinstance(queue, str) or not queue:
             raise ConfigError(f"{where} queue must name an existing queue")
-        return BrokerSourceConfig(
-            name=name,
-            provider=provider,
-            url=url,
-            retention_days=retention,
-            batch=min(batch, 65535),
-            queue=queue,
-            **specs,
-        )
+        return BrokerSourceConfig(**common, batch=min(batch, 65535), queue=queue)
     stream = table.get("stream")
     durable = table.get("durable", "webhook-receiver")
     if not isinstance(stream, str) or not re.match(r"^[^\s.*>]+$", stream):
@@ -206,16 +206,12 @@ def broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceCo
             "choose a subject outside it, in a stream of its own"
         )
     return BrokerSourceConfig(
-        name=name,
-        provider=provider,
-        url=url,
-        retention_days=retention,
+        **common,
         batch=batch,
         stream=stream,
         durable=durable,
         filter_subject=filter_subject,
         dead_letter_subject=dead,
-        **specs,
     )
 
 
@@ -239,6 +235,20 @@ def _check_specs(specs: dict[str, Any], provider: str, where: str) -> None:
             raise ConfigError(f"{where} {key}: {exc}") from exc
 
 
+def _topics(
+    table: dict[str, Any], valid: Callable[[str], object], what: str, where: str
+) -> list[str]:
+    """A Kafka or MQTT source's ``topics``: ConfigError unless a non-empty list of ``what``."""
+    topics = table.get("topics")
+    if (
+        not isinstance(topics, list)
+        or not topics
+        or not all(isinstance(t, str) and valid(t) for t in topics)
+    ):
+        raise ConfigError(f"{where} topics must be a non-empty list of {what}")
+    return topics
+
+
 def _check_positive(values: dict[str, Any], where: str) -> None:
     """ConfigError unless each of ``values`` is a positive integer (not a bool)."""
     for key, value in values.items():
@@ -253,13 +263,7 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
         _KAFKA_SERVER.match(server.strip()) for server in servers.split(",")
     ):
         raise ConfigError(f"{where} bootstrap_servers must be 'host:port', comma-separated")
-    topics = table.get("topics")
-    if (
-        not isinstance(topics, list)
-        or not topics
-        or not all(isinstance(t, str) and _KAFKA_TOPIC.match(t) for t in topics)
-    ):
-        raise ConfigError(f"{where} topics must be a non-empty list of Kafka topic names")
+    topics = _topics(table, _KAFKA_TOPIC.match, "Kafka topic names", where)
     group_id = table.get("group_id", f"webhook-receiver-{name}")
     if not isinstance(group_id, str) or not group_id.strip():
         raise ConfigError(f"{where} group_id must be a consumer group's name")
@@ -369,13 +373,7 @@ def _stream_source(name: str, table: dict[str, Any], where: str) -> BrokerSource
 
 
 def _mqtt_source(table: dict[str, Any], where: str, common: dict[str, Any]) -> BrokerSourceConfig:
-    topics = table.get("topics")
-    if (
-        not isinstance(topics, list)
-        or not topics
-        or not all(isinstance(t, str) and _mqtt_filter(t) for t in topics)
-    ):
-        raise ConfigError(f"{where} topics must be a non-empty list of MQTT topic filters")
+    topics = _topics(table, _mqtt_filter, "MQTT topic filters", where)
     client_id = table.get("client_id", f"webhook-receiver-{common['name']}")
     if not isinstance(client_id, str) or not client_id or "\x00" in client_id:
         raise ConfigError(f"{where} client_id must be a non-empty string")
