@@ -60,6 +60,11 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
 # when a racing copy won the insert after this one looked.
 
 
+def _find_params(values: dict[str, Any]) -> dict[str, Any]:
+    """The bind parameters of ``statements.find`` (and its fast twin): the message's key."""
+    return {"b_source": values["source"], "b_key": values["dedup_key"]}
+
+
 def _receive_core(
     engine: Engine,
     statements: Statements,
@@ -70,7 +75,7 @@ def _receive_core(
     with transaction(engine) as conn:
         event_id = insert_event(conn, statements, values, consumers)
         if event_id is None:
-            keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+            keys = _find_params(values)
             row = conn.execute(statements.find, keys).one_or_none()
             return (EventUnderKey(*row) if row else None), None
     return None, event_id
@@ -87,7 +92,7 @@ def _receive_sqlite_alone(
     """
     find, insert_ = statements.fast_find, statements.fast_insert
     with driver_cursor(engine) as cursor:
-        keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+        keys = _find_params(values)
         row = cursor.execute(find.sql, find.params(keys)).fetchone()
         if row is not None:
             return EventUnderKey(*row), None
@@ -107,7 +112,7 @@ def _receive_sqlite_with_deliveries(
 ) -> tuple[EventUnderKey | None, int | None]:
     """SQLite with deliveries: a lone read, then the event and its deliveries in one transaction."""
     with autocommit_connection() as conn:
-        keys = {"b_source": values["source"], "b_key": values["dedup_key"]}
+        keys = _find_params(values)
         row = conn.execute(statements.find, keys).one_or_none()
         if row is not None:
             return EventUnderKey(*row), None
