@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,7 +43,9 @@ import nats
 import pika
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from . import cpu as cpu_meter
 from .broker_rounds import Round, fresh_name, key
+from .cpu import Cpu
 from .run import RESULTS, postgresql_database
 
 RABBIT_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -66,6 +68,8 @@ class Row:
     ratios: list[float] | None = None
     # What the ratios are over, when not the bare loop (Kafka's stored runs: its floor).
     versus: str = ""
+    # CPU microseconds per message, one per round (bench/cpu.py).
+    cpu: list[Cpu] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -74,6 +78,11 @@ class Row:
     @property
     def ratio(self) -> float | None:
         return statistics.median(self.ratios) if self.ratios else None
+
+    def cpu_median(self, part: str) -> float | None:
+        """The median over the rounds of one part's CPU µs per message (consumer, database...)."""
+        values = [getattr(c, part) for c in self.cpu if getattr(c, part) is not None]
+        return statistics.median(values) if values else None
 
 
 def _body(key: str, n: int) -> bytes:
@@ -203,14 +212,17 @@ def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
         consumer.prepare = _bare_prepare  # type: ignore[attr-defined]
         consumer.store = _bare_store  # type: ignore[attr-defined]
     thread = threading.Thread(target=consumer.run)
-    started = time.perf_counter()
-    thread.start()
-    deadline = started + timeout
-    while consumer.settled < count and time.perf_counter() < deadline:  # type: ignore[attr-defined]
-        time.sleep(0.002)
-    elapsed = time.perf_counter() - started
-    stop.set()
-    thread.join(30)
+    # As ``flask consume`` runs its consumers (runner.run).
+    provider = app.config["FILE_CONFIG"].brokers[SOURCE].provider
+    with runner.quick_handover(), cpu_meter.metered(provider):
+        started = time.perf_counter()
+        thread.start()
+        deadline = started + timeout
+        while consumer.settled < count and time.perf_counter() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.002)
+        elapsed = time.perf_counter() - started
+        stop.set()
+        thread.join(30)
     if consumer.settled < count:  # type: ignore[attr-defined]
         raise RuntimeError(f"only {consumer.settled} of {count} settled in {timeout} s")  # type: ignore[attr-defined]
     return elapsed
@@ -264,17 +276,22 @@ def run_broker(
     for size in batches:
         n = count if size >= 10 else max(500, count // 20)
         rates: dict[str, list[float]] = {"bare": [], "unique": [], "redeliveries": []}
+        cpus: dict[str, list[Cpu]] = {name: [] for name in rates}
         for _ in range(rounds):
             # Each round its own bare loop, around the runs it is compared with.
             bare, unique, again = _round(broker, db_url, n, size)
             rates["bare"].append(n / bare)
             rates["unique"].append(n / unique)
             rates["redeliveries"].append(n / again)
+            before, stored, redelivered, after = (c.per_message(n) for c in cpu_meter.RUNS[-4:])
+            cpus["bare"].append(_mean(before, after))
+            cpus["unique"].append(stored)
+            cpus["redeliveries"].append(redelivered)
         for scenario, measured in rates.items():
             ratios = None
             if scenario != "bare":
                 ratios = [rate / base for rate, base in zip(measured, rates["bare"], strict=True)]
-            rows.append(Row(broker, db, scenario, size, n, measured, ratios))
+            rows.append(Row(broker, db, scenario, size, n, measured, ratios, cpu=cpus[scenario]))
         print(*map(_line, rows[-3:]), sep="\n", flush=True)
     return rows
 
@@ -287,6 +304,7 @@ def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int
     for size in batches:
         n = count if size >= 10 else max(500, count // 20)
         rates: dict[str, list[float]] = {"bare": [], "floor": [], "unique": [], "redeliveries": []}
+        cpus: dict[str, list[Cpu]] = {name: [] for name in rates}
         for _ in range(rounds):
             rnd = Round(db_url, n, size, make_app, consume, _body)
             times = kafka_times(rnd, (_bare_prepare, _bare_store))
@@ -294,15 +312,30 @@ def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int
             rates["floor"].append(n / times["floor"])
             rates["unique"].append(n / times["unique"])
             rates["redeliveries"].append(n / times["again"])
+            # In kafka_times' order (brokers_kafka.RUNS).
+            before, floor, stored, redelivered, after = (
+                c.per_message(n) for c in cpu_meter.RUNS[-5:]
+            )
+            cpus["bare"].append(_mean(before, after))
+            cpus["floor"].append(floor)
+            cpus["unique"].append(stored)
+            cpus["redeliveries"].append(redelivered)
         for scenario, measured in rates.items():
             base = {"floor": "bare", "unique": "floor", "redeliveries": "floor"}.get(scenario)
             ratios = None
             if base is not None:
                 ratios = [rate / b for rate, b in zip(measured, rates[base], strict=True)]
             versus = "floor" if base == "floor" else ""
-            rows.append(Row("kafka", db, scenario, size, n, measured, ratios, versus))
+            rows.append(
+                Row("kafka", db, scenario, size, n, measured, ratios, versus, cpus[scenario])
+            )
         print(*map(_line, rows[-4:]), sep="\n", flush=True)
     return rows
+
+
+def _mean(one: Cpu, other: Cpu) -> Cpu:
+    broker = None if one.broker is None or other.broker is None else (one.broker + other.broker) / 2
+    return Cpu((one.consumer + other.consumer) / 2, (one.database + other.database) / 2, broker)
 
 
 def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, float]:
@@ -359,15 +392,19 @@ def _line(row: Row) -> str:
     if ratio and row.versus:
         ratio += f" (vs {row.versus})"
     spread = f"{min(row.rates):,.0f}-{max(row.rates):,.0f}"
+    cpu = [row.cpu_median(part) for part in Cpu._fields]
     return (
         f"| {row.broker} | {row.db} | {row.scenario} | {row.batch} | {row.count} | "
-        f"{row.rate:,.0f} | {spread} | {ratio} |"
+        f"{row.rate:,.0f} | {spread} | {ratio} | "
+        + " | ".join("" if value is None else f"{value:.1f}" for value in cpu)
+        + " |"
     )
 
 
 HEADER = [
-    "| broker | database | scenario | batch | messages | messages/s | range | vs bare |",
-    "|---|---|---|---|---|---|---|---|",
+    "| broker | database | scenario | batch | messages | messages/s | range | vs bare "
+    "| consumer CPU µs/msg | database CPU µs/msg | broker CPU µs/msg |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 

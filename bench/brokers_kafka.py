@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .broker_rounds import Round, fresh_name, key
+from .cpu import metered
 
 RUNS = ("bare", "floor", "unique", "again", "bare-after")
 TIMEOUT_SECONDS = 600.0
@@ -126,16 +127,18 @@ def _consume(app: Any, count: int, bare: tuple[Any, Any] | None) -> float:
     if bare is not None:
         consumer.prepare, consumer.store = bare
     thread = threading.Thread(target=consumer.run)
-    thread.start()
-    deadline = time.perf_counter() + TIMEOUT_SECONDS
-    while not consumer._joined and time.perf_counter() < deadline:
-        time.sleep(0.001)
-    started = time.perf_counter()
-    while consumer.settled < count and time.perf_counter() < deadline:
-        time.sleep(0.002)
-    elapsed = time.perf_counter() - started
-    stop.set()
-    thread.join(30)
+    # As ``flask consume`` runs its consumers (runner.run).
+    with runner.quick_handover(), metered("kafka"):
+        thread.start()
+        deadline = time.perf_counter() + TIMEOUT_SECONDS
+        while not consumer._joined and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        started = time.perf_counter()
+        while consumer.settled < count and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        elapsed = time.perf_counter() - started
+        stop.set()
+        thread.join(30)
     if consumer.settled < count:
         raise RuntimeError(f"only {consumer.settled} of {count} settled")
     return elapsed
@@ -163,28 +166,41 @@ def _floor(servers: str, topic: str, group: str, db_url: str, n: int, size: int)
     )
     insert, conn = _driver(db_url)
     consumer.subscribe([topic], on_assign=on_assign)
-    stored = 0
-    started: float | None = None
-    deadline = time.perf_counter() + TIMEOUT_SECONDS
     try:
-        while stored < n and time.perf_counter() < deadline:
-            records = [r for r in consumer.consume(size, 0.05) if r.error() is None]
-            if started is None and joined.is_set():
-                started = time.perf_counter()
-            if not records:
-                continue
-            rows = [(dict(r.headers())["message-id"].decode(), r.value()) for r in records]
-            insert(rows)
-            conn.commit()
-            consumer.commit(asynchronous=True)
-            stored += len(records)
-        elapsed = time.perf_counter() - (started or deadline)
+        with metered("kafka"):
+            elapsed, stored = _store_all(consumer, joined, insert, conn, n, size)
     finally:
         consumer.close()
         conn.close()
     if stored < n:
         raise RuntimeError(f"the floor loop stored {stored} of {n}")
     return elapsed
+
+
+def _store_all(
+    consumer: Any,
+    joined: threading.Event,
+    insert: Callable[[list[tuple[str, bytes]]], None],
+    conn: Any,
+    n: int,
+    size: int,
+) -> tuple[float, int]:
+    """The floor's loop until ``n`` records are stored: seconds from joining, and how many."""
+    stored = 0
+    started: float | None = None
+    deadline = time.perf_counter() + TIMEOUT_SECONDS
+    while stored < n and time.perf_counter() < deadline:
+        records = [r for r in consumer.consume(size, 0.05) if r.error() is None]
+        if started is None and joined.is_set():
+            started = time.perf_counter()
+        if not records:
+            continue
+        rows = [(dict(r.headers())["message-id"].decode(), r.value()) for r in records]
+        insert(rows)
+        conn.commit()
+        consumer.commit(asynchronous=True)
+        stored += len(records)
+    return time.perf_counter() - (started or deadline), stored
 
 
 def _driver(db_url: str) -> tuple[Callable[[list[tuple[str, bytes]]], None], Any]:

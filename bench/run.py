@@ -160,13 +160,16 @@ def free_port() -> int:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _process_cpu(pid: int) -> float:
-    """User plus system CPU seconds of one process (0 if it is gone)."""
+def _process_cpu(pid: int, *, children: bool = False) -> float:
+    """User plus system CPU seconds of one process (0 if it is gone), and its ended children's."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime: children waited for
+    return ticks / _TICKS
 
 
 def server_cpu(master_pid: int) -> float:
@@ -179,15 +182,24 @@ def server_cpu(master_pid: int) -> float:
         children = Path(f"/proc/{master_pid}/task/{master_pid}/children").read_text().split()
     except OSError:
         return 0.0
-    pids = {int(pid) for pid in children}
+    return sum(_process_cpu(int(pid)) for pid in children) + processes_cpu("postgres")
+
+
+def processes_cpu(name: str) -> float:
+    """CPU seconds so far of every process on this machine named ``name`` (0 off Linux).
+
+    With their ended children's (a PostgreSQL backend or autovacuum worker
+    that exited is counted in the postmaster's).
+    """
+    total = 0.0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == "postgres":
-                    pids.add(int(entry.name))
+                if (entry / "comm").read_text().strip() == name:
+                    total += _process_cpu(int(entry.name), children=True)
             except OSError:
                 pass
-    return sum(_process_cpu(pid) for pid in pids)
+    return total
 
 
 @dataclass(frozen=True)

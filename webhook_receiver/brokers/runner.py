@@ -13,9 +13,11 @@ from __future__ import annotations
 import faulthandler
 import logging
 import signal
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Protocol
 
@@ -35,6 +37,12 @@ log = logging.getLogger("webhook_receiver.brokers")
 
 # A consumer that failed after running this long backs off from the start again.
 HEALTHY_SECONDS = 60.0
+# How long a thread may hold the GIL while another waits for it (Python's
+# default: 5 ms). A consumer's storing thread lets go of the GIL for each
+# database round trip, and back with the answer it waited for the reading
+# thread's Python to reach that switch: with 0.5 ms, Kafka batches of 500
+# stored on PostgreSQL went from 19,100-19,500 to 22,000-22,600 records/s.
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class Consumer(Protocol):
@@ -87,6 +95,22 @@ def consumer_for(app: Flask, source: BrokerSourceConfig, stop: threading.Event) 
 
 def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:
     """Consume ``sources`` until ``stop`` is set (SIGTERM sets it)."""
+    with quick_handover():
+        _run(app, sources, stop)
+
+
+@contextmanager
+def quick_handover() -> Iterator[None]:
+    """Run the block with the consumers' GIL switch interval (SWITCH_INTERVAL_SECONDS)."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:
     previous = _install_signals(stop)
     threads = [
         threading.Thread(target=_supervise, args=(app, source, stop), name=f"consume-{source.name}")
