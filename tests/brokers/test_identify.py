@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from webhook_receiver.brokers.identify import BrokerMessage, content_fingerprint, identify
+import pytest
+
+from webhook_receiver.brokers.identify import (
+    MALFORMED,
+    BrokerMessage,
+    Unidentified,
+    content_fingerprint,
+    identify,
+)
 from webhook_receiver.fingerprint import fingerprint
 
 from ..helpers import RABBIT_SOURCE
@@ -90,3 +98,35 @@ def test_the_content_fingerprint_compares_json_once_parsed_and_other_bodies_as_b
     assert by_body(b'{"id": 1, "n": 1}', "t", None) == by_body(b'{"n":1,"id":1}', "t", None)
     # What identify fingerprinted before fingerprints covered the bytes.
     assert compare(b'{"n": 1}', "t", json_type) == fingerprint(["t", b'{"n":1}'])
+
+
+def test_header_specs_and_correlation_ids_are_read_whatever_the_names_case():
+    source = replace(RABBIT_SOURCE, dedup_key="header:Message-Id", event_type="header:type")
+    for names in (("Message-Id", "Type", "x-request-id"), ("message-id", "TYPE", "X-REQUEST-ID")):
+        key_name, type_name, request_id = names
+        delivery = _delivery(
+            headers={key_name: "evt-9", type_name: "order.paid", request_id: "r-1"}
+        )
+        message = identify(source, delivery)
+        assert (message.dedup_key, message.event_type) == ("evt-9", "order.paid")
+        assert message.correlation_id == "r-1"
+
+
+def test_secret_headers_are_redacted_in_each_message_that_carries_them():
+    # The same names twice (their verdicts are kept per set of names), then others.
+    for headers in (
+        {"Authorization": "Bearer a", "X-Trace": "t"},
+        {"Authorization": "Bearer b", "X-Trace": "u"},
+        {"X-Trace": "v", "x-api-key": "k"},
+    ):
+        message = identify(RABBIT_SOURCE, _delivery(headers=headers))
+        assert dict(message.headers) == {
+            name: "[redacted]" if name in ("Authorization", "x-api-key") else value
+            for name, value in headers.items()
+        }
+
+
+def test_a_header_name_holding_a_nul_makes_the_message_malformed():
+    with pytest.raises(Unidentified) as refused:
+        identify(RABBIT_SOURCE, _delivery(headers={"X-\x00": "v"}))
+    assert refused.value.reason == MALFORMED

@@ -92,10 +92,11 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
             parsed = loads(message.body)
         except JSONError as exc:
             raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
-    key = _read(key_spec, message, parsed)
+    names = _Names.of(message.headers)
+    key = _read(key_spec, message, names, parsed)
     if not key:
         raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
-    event_type = _read(type_spec, message, parsed) or None
+    event_type = _read(type_spec, message, names, parsed) or None
     try:
         return Message.build(
             source=source.name,
@@ -105,9 +106,9 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
             body=message.body,
             event_type=event_type,
             content_type=message.content_type or None,
-            headers=_headers(message.headers),
+            headers=_headers(message.headers, names),
             meta=_clean_meta(message),
-            correlation_id=_correlation_id(message),
+            correlation_id=_correlation_id(message, names),
             traceparent=tracing.traceparent_in(message.headers),
         )
     except Unstorable as exc:
@@ -156,7 +157,43 @@ def _specs(dedup_key: str, event_type: str, provider: str) -> tuple[_Spec, _Spec
     return key_spec, type_spec, "json" in (key_spec[0], type_spec[0])
 
 
-def _read(spec: _Spec, message: BrokerMessage, parsed: Any) -> str | None:
+class _Names(NamedTuple):
+    """What a message's header names say, worked out once per set of names (they repeat).
+
+    A producer sends the same names message after message: which of them
+    name a secret, whether one holds a NUL, and each by its lower case
+    (header names are matched without regard to case) are kept per tuple of
+    names, not looked for again in every message.
+    """
+
+    # The header names, in the message's order.
+    names: tuple[str, ...]
+    # Each name by its lower case (the first of a name repeated in other cases).
+    by_lower: Mapping[str, str]
+    # The positions of the names whose values are redacted (events.is_secret_header).
+    secret: tuple[int, ...]
+    # Whether a name holds a NUL: PostgreSQL's jsonb holds none, and a name
+    # is an identifier: the message is malformed rather than repaired.
+    has_nul: bool
+
+    @staticmethod
+    def of(headers: Mapping[str, str | bytes]) -> _Names:
+        return _names(tuple(headers)) if headers else _NO_NAMES
+
+
+@functools.lru_cache(maxsize=1024)  # per source, a few sets of names; bounded for the rest
+def _names(names: tuple[str, ...]) -> _Names:
+    by_lower: dict[str, str] = {}
+    for name in names:
+        by_lower.setdefault(name.lower(), name)
+    secret = tuple(i for i, name in enumerate(names) if events.is_secret_header(name))
+    return _Names(names, by_lower, secret, any("\x00" in name for name in names))
+
+
+_NO_NAMES = _Names((), {}, (), False)
+
+
+def _read(spec: _Spec, message: BrokerMessage, names: _Names, parsed: Any) -> str | None:
     kind, arg = spec
     value: Any
     if kind == "subject":
@@ -164,7 +201,7 @@ def _read(spec: _Spec, message: BrokerMessage, parsed: Any) -> str | None:
     elif kind == "property":
         value = message.properties.get(arg)
     elif kind == "header":
-        value = _header(message.headers, arg)
+        value = _header(message.headers, names, arg)
     else:
         value = pointers.resolve(parsed, arg)
     if value is None or isinstance(value, dict | list):
@@ -180,35 +217,34 @@ def _read(spec: _Spec, message: BrokerMessage, parsed: Any) -> str | None:
     return str(value)
 
 
-def _header(headers: Mapping[str, str | bytes], name: str) -> str | bytes | None:
-    if not headers:
-        return None
+def _header(headers: Mapping[str, str | bytes], names: _Names, name: str) -> str | bytes | None:
+    """The header ``name``'s value: under that name exactly, else under it in another case."""
     if name in headers:
         return headers[name]
-    lowered = name.lower()
-    return next((v for k, v in headers.items() if k.lower() == lowered), None)
+    stored = names.by_lower.get(name.lower())
+    return None if stored is None else headers[stored]
 
 
-def _correlation_id(message: BrokerMessage) -> str | None:
+def _correlation_id(message: BrokerMessage, names: _Names) -> str | None:
     value = (
         message.properties.get("correlation_id")
-        or _header(message.headers, "X-Request-Id")
-        or _header(message.headers, "Correlation-Id")
+        or _header(message.headers, names, "X-Request-Id")
+        or _header(message.headers, names, "Correlation-Id")
     )
     if not value or isinstance(value, bytes) or "\x00" in value:
         return None
     return value[:CORRELATION_ID_LENGTH]
 
 
-def _headers(headers: Mapping[str, str | bytes]) -> tuple[tuple[str, str], ...]:
+def _headers(headers: Mapping[str, str | bytes], names: _Names) -> tuple[tuple[str, str], ...]:
     if not headers:
         return ()
-    for name in headers:
-        if "\x00" in name:
-            # PostgreSQL's jsonb holds no NUL, and a name is an identifier:
-            # not replaced, refused.
-            raise Unidentified(MALFORMED, "a header name holds a NUL character")
-    return events.redact_headers((name, _clean(value)) for name, value in headers.items())
+    if names.has_nul:
+        raise Unidentified(MALFORMED, "a header name holds a NUL character")
+    values = [_clean(value) for value in headers.values()]
+    for position in names.secret:
+        values[position] = events.REDACTED
+    return tuple(zip(names.names, values, strict=True))
 
 
 def _clean(value: str | bytes) -> str:
