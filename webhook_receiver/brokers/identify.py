@@ -217,8 +217,12 @@ def _read(spec: _Spec, message: BrokerMessage, names: _Names, parsed: Any) -> st
     return str(value)
 
 
-def _header(headers: Mapping[str, str | bytes], names: _Names, name: str) -> str | bytes | None:
+def header(headers: Mapping[str, str | bytes], name: str) -> str | bytes | None:
     """The header ``name``'s value: under that name exactly, else under it in another case."""
+    return _header(headers, _Names.of(headers), name)
+
+
+def _header(headers: Mapping[str, str | bytes], names: _Names, name: str) -> str | bytes | None:
     if name in headers:
         return headers[name]
     stored = names.by_lower.get(name.lower())
@@ -241,7 +245,15 @@ def _headers(headers: Mapping[str, str | bytes], names: _Names) -> tuple[tuple[s
         return ()
     if names.has_nul:
         raise Unidentified(MALFORMED, "a header name holds a NUL character")
-    values = [_clean(value) for value in headers.values()]
+    values = cast(list[str], list(headers.values()))
+    try:
+        # One C call for the usual case: every value text, none with a NUL
+        # (join refuses bytes).
+        clean = "\x00" not in "".join(values)
+    except TypeError:
+        clean = False
+    if not clean:
+        values = [_clean(value) for value in headers.values()]
     for position in names.secret:
         values[position] = events.REDACTED
     return tuple(zip(names.names, values, strict=True))

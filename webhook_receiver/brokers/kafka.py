@@ -68,7 +68,7 @@ from .. import inbox
 from ..config import BrokerSourceConfig
 from ..database import is_unavailable
 from . import batch
-from .identify import MALFORMED, BrokerMessage, Unidentified
+from .identify import MALFORMED, BrokerMessage, Unidentified, header
 from .outage import Outage, SourceNotReady
 
 log = logging.getLogger(__name__)
@@ -611,14 +611,11 @@ class KafkaConsumer(batch.Consumer):
         (topic, partition), offset = _where(record), _offset(record)
         if self.source.dedup_key == "offset":
             properties["offset"] = f"{topic}/{partition}/{offset}"
-        content_type = next(
-            (v for k, v in headers.items() if k.lower() == "content-type" and isinstance(v, str)),
-            None,
-        )
+        content_type = header(headers, "content-type")
         timestamp_type, timestamp = record.timestamp()
         return BrokerMessage(
             body=record.value() or b"",
-            content_type=content_type,
+            content_type=content_type if isinstance(content_type, str) else None,
             headers=headers,
             properties=properties,
             subject=topic,
