@@ -14,13 +14,17 @@ import os
 import threading
 import weakref
 
+from sqlalchemy.engine import Engine
+
 
 class BackgroundWriter:
     """A thread that calls ``flush()`` every ``flush_seconds`` while anything is due."""
 
     thread_name = "background-writer"
 
-    def __init__(self, flush_seconds: float) -> None:
+    def __init__(self, engine: Engine, flush_seconds: float) -> None:
+        # The database the subclass writes to.
+        self.engine = engine
         self.flush_seconds = flush_seconds
         self._lock = threading.Lock()  # guards the subclass's pending state
         self._flushing = threading.Lock()  # one write at a time (thread and exit)

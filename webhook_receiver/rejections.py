@@ -63,8 +63,7 @@ class RejectionCounter(BackgroundWriter):
     thread_name = "rejections"
 
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
-        super().__init__(flush_seconds)
-        self.engine = engine
+        super().__init__(engine, flush_seconds)
         self._pending: dict[_Key, _Tally] = {}
         self._dropped = 0
 

@@ -160,8 +160,7 @@ class DuplicateLedger(BackgroundWriter):
     thread_name = "duplicate-ledger"
 
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
-        super().__init__(flush_seconds)
-        self.engine = engine
+        super().__init__(engine, flush_seconds)
         self._pending: list[Redelivery] = []
 
     def record(self, event_id: int, received_at: datetime) -> None:
