@@ -425,8 +425,7 @@ class KafkaConsumer(batch.Consumer):
         Paused, a partition stays assigned and librdkafka hands over nothing
         more of it; resumed, it fetches on from the record after the last
         one handed over, so the held records and what follows them come in
-        order, none twice, with no seek (a pause, seek and resume in quick
-        succession can leave consume() waiting for good).
+        order, none twice, with no seek.
         """
         self._held += [record for record in records if _where(record) in self._assigned]
         if not self._paused:
