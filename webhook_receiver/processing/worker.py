@@ -176,6 +176,9 @@ class Worker:
                         # Idle as the claim looks: a delivery that finishes after
                         # it may leave a retry due, and draining must not miss it.
                         was_idle = slots.idle()
+                        # A delivery that ends while the claim runs frees its
+                        # target: the wait below must not sleep through that.
+                        seen = slots.changes()
                         try:
                             claim = self._claim(slots.busy())
                             pause = self.poll_seconds
@@ -192,7 +195,7 @@ class Worker:
                         else:
                             # Nothing due, or only for busy targets: wait for
                             # a thread to finish, at most one poll.
-                            slots.wait_for_a_change(self.poll_seconds)
+                            slots.wait_for_a_change(seen, self.poll_seconds)
                 finally:
                     slots.close()  # the deliveries in hand finish first
                     replayer.join()
@@ -545,6 +548,8 @@ class _Slots:
         # may interrupt the loop's thread while it holds the lock.
         self._changed = threading.Condition(threading.RLock())
         self._free = size
+        # Counts each change (a delivery ended, a wake): what a wait compares.
+        self._changes = 0
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._claims: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
         self._threads = [
@@ -566,6 +571,7 @@ class _Slots:
 
     def wake(self) -> None:
         with self._changed:
+            self._changes += 1
             self._changed.notify_all()
 
     def wait_for_a_free_thread(self, stop: threading.Event) -> bool:
@@ -575,9 +581,22 @@ class _Slots:
                 self._changed.wait(1.0)
             return not stop.is_set()
 
-    def wait_for_a_change(self, timeout: float) -> None:
+    def changes(self) -> int:
+        """How many changes so far: given back to wait_for_a_change."""
         with self._changed:
-            self._changed.wait(timeout)
+            return self._changes
+
+    def wait_for_a_change(self, since: int, timeout: float) -> None:
+        """Wait at most ``timeout`` for a change after the ``since``-th (none if one came already).
+
+        A notification before the wait began would be lost: a delivery that
+        ended while the loop claimed left its target busy in the claim, and
+        the loop slept a whole poll with the target free (a forward target
+        of concurrency 1 got one delivery a poll).
+        """
+        with self._changed:
+            if self._changes == since:
+                self._changed.wait(timeout)
 
     def idle(self) -> bool:
         with self._changed:
@@ -624,6 +643,7 @@ class _Slots:
             if self._in_flight[target] <= 0:
                 del self._in_flight[target]
             self._free += 1
+            self._changes += 1
             self._changed.notify_all()
 
 
