@@ -1,13 +1,16 @@
 """What traces cost: ``python -m bench.tracing`` (CPU per request, traces off and on).
 
 The app runs in this process (Flask's test client), as ``python -m bench
---profile`` does, on a fresh migrated database, three times over: traces
-off, then on with the provider the receiver builds in production
+--profile`` does, twice over on one fresh migrated database: traces off,
+and on with the provider the receiver builds in production
 (``webhook_receiver.tracing.otlp_provider``: OTLP/HTTP, batched) sending to
 a stand-in collector on loopback (it answers 200 to every export and keeps
-nothing), then off again. Each prints the process's CPU time per request
-for a new API key and a new signed webhook (each measure from a collected
-heap), and the ratio of "on" to the mean of the two "off" rounds. The intake's answer
+nothing). The two take turns, a block of requests each (the order swapped
+every block), so a change in the machine's load lands on both, and both
+write to the same tables as they grow. Each block of the traced app ends
+with a flush, so its export's CPU is counted in it. Printed: the process's
+CPU time per request over all of each app's blocks, for a new API key and
+a new signed webhook, and the ratio of "on" to "off". The intake's answer
 waits for no export (spans are batched off the request's thread), so CPU
 is what traces take from a worker.
 """
@@ -31,11 +34,21 @@ from .brokers import database
 from .profile import _sources, _stderr_to_devnull
 from .scenarios import EVENT_BODY, GITHUB_BODY, _github_headers
 
-REQUESTS = 1500
+# Each app's requests of a kind: BLOCKS blocks of BLOCK, taking turns, short
+# enough that a change in the machine's load lands on both. A block of
+# webhooks is one export batch of 256 spans; one of API requests, half one.
+BLOCKS = 12
+BLOCK = 128
 
 
 class _Collector(BaseHTTPRequestHandler):
-    """An OTLP/HTTP collector stand-in: reads each export and answers 200."""
+    """An OTLP/HTTP collector stand-in: reads each export and answers 200.
+
+    HTTP/1.1, as a collector answers: the exporter keeps its connection
+    rather than opening one per export.
+    """
+
+    protocol_version = "HTTP/1.1"
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -55,7 +68,7 @@ def _provider(endpoint: str) -> Any:
     return otlp_provider(endpoint)
 
 
-def _round(url: str, provider: Any, tag: str) -> dict[str, float]:
+def _app(url: str, provider: Any, migrate: bool) -> Any:
     from flask_migrate import upgrade
 
     from webhook_receiver import create_app
@@ -69,8 +82,9 @@ def _round(url: str, provider: Any, tag: str) -> dict[str, float]:
     if provider is not None:
         config["OTEL_TRACER_PROVIDER"] = provider
     app = create_app(config)
-    with app.app_context():
-        upgrade()
+    if migrate:
+        with app.app_context():
+            upgrade()
     client = app.test_client()
     headers = {"Authorization": f"Bearer {token}"}
 
@@ -87,23 +101,40 @@ def _round(url: str, provider: Any, tag: str) -> dict[str, float]:
             "/webhooks/bench-github", data=GITHUB_BODY, headers=_github_headers(key)
         ).status_code
 
-    cpu = {}
+    return {"api new key": post, "webhook new": deliver}
+
+
+def _measure(url: str, endpoint: str) -> dict[str, tuple[float, float]]:
+    """Per request kind: CPU µs per request, traces off and on."""
+    provider = _provider(endpoint)
+    apps = {"off": _app(url, None, True), "on": _app(url, provider, False)}
+    result = {}
     with _stderr_to_devnull():
-        for i in range(100):
-            post(f"{tag}-warm-{i}")
-            deliver(f"{tag}-warm-{i}")
-        for name, send in (("api new key", post), ("webhook new", deliver)):
-            # Each measure starts from a collected heap: a full collection set
-            # off by an earlier round's garbage (the migrations', the app's
-            # start) would land on whichever round came next.
-            gc.collect()
-            start = time.process_time()
-            for i in range(REQUESTS):
-                assert send(f"{tag}-{name}-{i}") in (200, 201)
-            cpu[name] = (time.process_time() - start) / REQUESTS * 1e6
-    if provider is not None:
+        for tag, sends in apps.items():
+            for i in range(100):
+                for name, send in sends.items():
+                    assert send(f"{tag}-warm-{name}-{i}") in (200, 201)
         provider.force_flush()
-    return cpu
+        for name in apps["off"]:
+            # A collected heap to start from: a full collection set off by the
+            # migrations' or the apps' start would land on either app. Within
+            # the blocks, collections land where they fall, on both.
+            gc.collect()
+            cpu = {"off": 0.0, "on": 0.0}
+            for block in range(BLOCKS):
+                order = ("off", "on") if block % 2 == 0 else ("on", "off")
+                for tag in order:
+                    send = apps[tag][name]
+                    start = time.process_time()
+                    for i in range(BLOCK):
+                        assert send(f"{tag}-{name}-{block}-{i}") in (200, 201)
+                    if tag == "on":
+                        provider.force_flush()
+                    cpu[tag] += time.process_time() - start
+            per = BLOCKS * BLOCK / 1e6
+            result[name] = (cpu["off"] / per, cpu["on"] / per)
+    provider.shutdown()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,23 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     print("| database | request | off (CPU µs) | on (CPU µs) | on / off |")
     print("|---|---|---:|---:|---:|")
     for db in dbs:
-        rounds = []
         if db == "postgresql" and not pg_url:
             print("no BENCH_DATABASE_URL or TEST_DATABASE_URL: PostgreSQL skipped")
             continue
-        for tag, provider in (("off1", None), ("on", _provider(endpoint)), ("off2", None)):
-            workdir = Path(tempfile.mkdtemp(prefix="wr-tracing-"))
-            try:
-                with database(db, workdir) as url:
-                    rounds.append(_round(url, provider, tag))
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-        if len(rounds) < 3:
-            continue
-        off1, on, off2 = rounds
-        for name in on:
-            off = (off1[name] + off2[name]) / 2
-            print(f"| {db} | {name} | {off:.0f} | {on[name]:.0f} | {on[name] / off:.2f} |")
+        workdir = Path(tempfile.mkdtemp(prefix="wr-tracing-"))
+        try:
+            with database(db, workdir) as url:
+                measured = _measure(url, endpoint)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        for name, (off, on) in measured.items():
+            print(f"| {db} | {name} | {off:.0f} | {on:.0f} | {on / off:.2f} |")
     collector.shutdown()
     return 0
 
