@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import pytest
+from sqlalchemy import text
+
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.outbox import deliveries
@@ -176,3 +179,20 @@ def test_discard_moves_dead_ones_only(make_app, clock):
         "delivered",
         "delivered",
     ]
+
+
+def test_a_claims_commit_does_not_wait_for_the_disk_on_postgresql(make_app, clock):
+    # Lost in a crash, a claim only makes its delivery claimable again; the
+    # setting comes with the claim's own statement, not a round trip of its own.
+    app = _app(make_app)
+    store_event(app, clock, dedup_key="evt-1")
+    with app.app_context():
+        if db.engine.dialect.name != "postgresql":
+            pytest.skip("SQLite's safety level is the connection's, not a transaction's")
+        try:
+            assert deliveries.claim_next(clock(), LEASE) is not None
+            setting = db.session.execute(text("SHOW synchronous_commit")).scalar()
+        finally:
+            db.session.rollback()
+        assert setting == "off"
+        assert db.session.execute(text("SHOW synchronous_commit")).scalar() == "on"

@@ -19,15 +19,26 @@ delivery out of them, and retention may delete their event.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, and_, exists, or_, select, update
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    CursorResult,
+    and_,
+    bindparam,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
 
-from ..database import commit_without_waiting_for_disk
 from ..extensions import db
 from ..models import Delivery, Event
 
@@ -141,7 +152,7 @@ class Claim:
     key_replay: int = 0
 
 
-def _claimable(now: datetime) -> ColumnElement[bool]:
+def _claimable(now: datetime | BindParameter[datetime]) -> ColumnElement[bool]:
     return or_(
         and_(_t.c.state == PENDING, _t.c.next_attempt_at <= now),
         # The holder of an expired lease died (or hung): take it over.
@@ -179,7 +190,23 @@ def claim_next(
     that already have as many deliveries in flight in this worker as they
     may, so that the other targets get the free threads.
     """
+    statement = _claim_statement(db.session.get_bind().dialect.name, frozenset(skip))
     token = secrets.token_hex(16)
+    row = db.session.execute(
+        statement, {"claim_now": now, "claim_token": token, "claim_expires": now + lease}
+    ).one_or_none()
+    if row is None:
+        return None
+    delivery_id, event_id, consumer, kind, attempts, source, key_replay = row[:7]
+    return Claim(
+        delivery_id, event_id, consumer, kind, attempts, token, now + lease, source, key_replay
+    )
+
+
+@functools.lru_cache(maxsize=256)  # per dialect and set of busy targets: a handful
+def _claim_statement(dialect: str, skip: frozenset[tuple[str, str]]) -> Any:
+    """claim_next's UPDATE, built once: the worker's loop runs it for every delivery."""
+    now = bindparam("claim_now", type_=_t.c.next_attempt_at.type)
     pick = (
         select(_t.c.id)
         .where(_claimable(now), *_not_busy(skip))
@@ -187,34 +214,32 @@ def claim_next(
         .limit(1)
         .with_for_update(skip_locked=True)
     )
-    # A claim lost in a crash only makes the delivery claimable again: its
-    # commit need not wait for the disk (the outcome's commit does).
-    commit_without_waiting_for_disk()
-    row = db.session.execute(
+    returned: list[Any] = [
+        _t.c.id,
+        _t.c.event_id,
+        _t.c.consumer,
+        _t.c.kind,
+        _t.c.attempts,
+        select(Event.source).where(Event.id == _t.c.event_id).scalar_subquery(),
+        _t.c.key_replay,
+    ]
+    if dialect == "postgresql":
+        # A claim lost in a crash only makes the delivery claimable again: its
+        # commit need not wait for the disk (the outcome's commit does). Set
+        # for the transaction in the claim's own statement, as SET LOCAL
+        # would be in a round trip of its own.
+        returned.append(func.set_config("synchronous_commit", "off", True))
+    return (
         update(_t)
         .where(_t.c.id == pick.scalar_subquery(), _claimable(now))
         .values(
             state=IN_PROGRESS,
             attempts=_t.c.attempts + 1,
-            lease_token=token,
-            lease_expires_at=now + lease,
+            lease_token=bindparam("claim_token", type_=_t.c.lease_token.type),
+            lease_expires_at=bindparam("claim_expires", type_=_t.c.lease_expires_at.type),
             updated_at=now,
         )
-        .returning(
-            _t.c.id,
-            _t.c.event_id,
-            _t.c.consumer,
-            _t.c.kind,
-            _t.c.attempts,
-            select(Event.source).where(Event.id == _t.c.event_id).scalar_subquery(),
-            _t.c.key_replay,
-        )
-    ).one_or_none()
-    if row is None:
-        return None
-    delivery_id, event_id, consumer, kind, attempts, source, key_replay = row
-    return Claim(
-        delivery_id, event_id, consumer, kind, attempts, token, now + lease, source, key_replay
+        .returning(*returned)
     )
 
 
