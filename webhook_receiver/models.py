@@ -90,8 +90,6 @@ class Event(Model):
     __table_args__ = (
         UniqueConstraint("source", "dedup_key"),
         Index("ix_events_received_at_id", "received_at", "id"),
-        # An operator searches by dedup key without knowing the source.
-        Index("ix_events_dedup_key", "dedup_key"),
         Index("ix_events_source_received_at", "source", "received_at"),
     )
 
