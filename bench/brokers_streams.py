@@ -71,6 +71,9 @@ def mqtt_times(rnd: Round) -> list[float]:
             "url": server.url,
             "topics": [f"{prefix}/{run}/#"],
             "client_id": client_id,
+            # Not the topic (the default), which is each run's own: the
+            # redeliveries would differ in type, conflicts rather than duplicates.
+            "event_type": "user_property:type",
         }
 
     try:
@@ -118,7 +121,7 @@ def _fill(port: int, topic: str, prefix: str, n: int, body: Callable[[str, int],
     for i in range(n):
         properties = Properties(PacketTypes.PUBLISH)
         properties.ContentType = "application/json"
-        properties.UserProperty = [("message-id", key(prefix, i))]
+        properties.UserProperty = [("message-id", key(prefix, i)), ("type", "order.paid")]
         infos.append(client.publish(topic, body(key(prefix, i), i), qos=1, properties=properties))
     for info in infos:
         info.wait_for_publish(60)
