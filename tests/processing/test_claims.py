@@ -181,7 +181,7 @@ def test_discard_moves_dead_ones_only(make_app, clock):
     ]
 
 
-def test_a_claims_commit_does_not_wait_for_the_disk_on_postgresql(make_app, clock):
+def test_a_claims_commit_does_not_wait_for_the_disk_where_a_transaction_can_say_so(make_app, clock):
     # Lost in a crash, a claim only makes its delivery claimable again; the
     # setting comes with the claim's own statement, not a round trip of its own.
     app = _app(make_app)
