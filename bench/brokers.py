@@ -284,7 +284,7 @@ def run_broker(
             rates["unique"].append(n / unique)
             rates["redeliveries"].append(n / again)
             before, stored, redelivered, after = (c.per_message(n) for c in cpu_meter.RUNS[-4:])
-            cpus["bare"].append(_mean(before, after))
+            cpus["bare"].append(before.mean(after))
             cpus["unique"].append(stored)
             cpus["redeliveries"].append(redelivered)
         for scenario, measured in rates.items():
@@ -316,7 +316,7 @@ def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int
             before, floor, stored, redelivered, after = (
                 c.per_message(n) for c in cpu_meter.RUNS[-5:]
             )
-            cpus["bare"].append(_mean(before, after))
+            cpus["bare"].append(before.mean(after))
             cpus["floor"].append(floor)
             cpus["unique"].append(stored)
             cpus["redeliveries"].append(redelivered)
@@ -331,11 +331,6 @@ def _run_kafka(db: str, db_url: str, count: int, batches: list[int], rounds: int
             )
         print(*map(_line, rows[-4:]), sep="\n", flush=True)
     return rows
-
-
-def _mean(one: Cpu, other: Cpu) -> Cpu:
-    broker = None if one.broker is None or other.broker is None else (one.broker + other.broker) / 2
-    return Cpu((one.consumer + other.consumer) / 2, (one.database + other.database) / 2, broker)
 
 
 def _round(broker: str, db_url: str, n: int, size: int) -> tuple[float, float, float]:

@@ -10,8 +10,9 @@ server's name (none for moto, a Python process like others).
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -44,6 +45,22 @@ class Cpu(NamedTuple):
             None if self.broker is None else self.broker * scale,
         )
 
+    def minus(self, earlier: Cpu) -> Cpu:
+        """The CPU spent between ``earlier`` and this reading."""
+        return _fieldwise(self, earlier, operator.sub)
+
+    def mean(self, other: Cpu) -> Cpu:
+        """The mean of two runs' CPU (a bare loop's, before and after)."""
+        return _fieldwise(self, other, lambda one, two: (one + two) / 2)
+
+
+def _fieldwise(one: Cpu, other: Cpu, combine: Callable[[float, float], float]) -> Cpu:
+    # The broker's part is unknown if either side's is.
+    broker = (
+        None if one.broker is None or other.broker is None else combine(one.broker, other.broker)
+    )
+    return Cpu(combine(one.consumer, other.consumer), combine(one.database, other.database), broker)
+
 
 # Each metered run's CPU, in the order the runs ran.
 RUNS: list[Cpu] = []
@@ -54,14 +71,7 @@ def metered(broker: str) -> Iterator[None]:
     """Add the block's CPU (consumer, database, broker) to RUNS."""
     before = _now(broker)
     yield
-    after = _now(broker)
-    RUNS.append(
-        Cpu(
-            after.consumer - before.consumer,
-            after.database - before.database,
-            None if after.broker is None or before.broker is None else after.broker - before.broker,
-        )
-    )
+    RUNS.append(_now(broker).minus(before))
 
 
 def _now(broker: str) -> Cpu:

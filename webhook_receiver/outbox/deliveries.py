@@ -39,6 +39,7 @@ from sqlalchemy import (
     update,
 )
 
+from ..database import is_sqlite
 from ..extensions import db
 from ..models import Delivery, Event
 
@@ -190,7 +191,7 @@ def claim_next(
     that already have as many deliveries in flight in this worker as they
     may, so that the other targets get the free threads.
     """
-    statement = _claim_statement(db.session.get_bind().dialect.name, frozenset(skip))
+    statement = _claim_statement(is_sqlite(), frozenset(skip))
     token = secrets.token_hex(16)
     row = db.session.execute(
         statement, {"claim_now": now, "claim_token": token, "claim_expires": now + lease}
@@ -204,7 +205,7 @@ def claim_next(
 
 
 @functools.lru_cache(maxsize=256)  # per dialect and set of busy targets: a handful
-def _claim_statement(dialect: str, skip: frozenset[tuple[str, str]]) -> Any:
+def _claim_statement(sqlite: bool, skip: frozenset[tuple[str, str]]) -> Any:
     """claim_next's UPDATE, built once: the worker's loop runs it for every delivery."""
     now = bindparam("claim_now", type_=_t.c.next_attempt_at.type)
     pick = (
@@ -223,7 +224,7 @@ def _claim_statement(dialect: str, skip: frozenset[tuple[str, str]]) -> Any:
         select(Event.source).where(Event.id == _t.c.event_id).scalar_subquery(),
         _t.c.key_replay,
     ]
-    if dialect == "postgresql":
+    if not sqlite:
         # A claim lost in a crash only makes the delivery claimable again: its
         # commit need not wait for the disk (the outcome's commit does). Set
         # for the transaction in the claim's own statement, as SET LOCAL
