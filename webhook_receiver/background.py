@@ -3,24 +3,33 @@
 Redeliveries' counts (inbox/duplicates.py) and refused deliveries
 (rejections.py) are bookkeeping, not idempotency: each process gathers them
 and one thread writes them together, at most ``flush_seconds`` later, and
-again when the process exits or the app closes. This class is that thread
-and its life cycle; a subclass says what is pending and how to write it.
+again when the process exits or the app closes. This class is that thread,
+its life cycle and a flush's round (take the batch, write it, put it back
+if the write failed); a subclass says what is pending and how to write it.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import weakref
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import Engine
 
+# What a subclass gathers and writes at once: a list, a dict of counts.
+Batch = TypeVar("Batch")
 
-class BackgroundWriter:
+
+class BackgroundWriter(Generic[Batch]):
     """A thread that calls ``flush()`` every ``flush_seconds`` while anything is due."""
 
     thread_name = "background-writer"
+    # What the log line of a batch not written counts ("redeliveries"), and its outcome field.
+    unwritten: str = "items"
+    unwritten_outcome: str | None = None
 
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
         # The database the subclass writes to.
@@ -38,10 +47,43 @@ class BackgroundWriter:
 
     def flush(self) -> int:
         """Write what is pending now; return how much was written (0 if the write failed)."""
-        raise NotImplementedError
+        with self._flushing:
+            batch = self._take()
+            if not batch:
+                return 0
+            try:
+                self._write(batch)
+            except Exception:
+                # Under the subclass's module's logger, as each logged it before.
+                logging.getLogger(type(self).__module__).warning(
+                    "could not record %d %s; will try again",
+                    self._size(batch),
+                    self.unwritten,
+                    exc_info=True,
+                    extra={"outcome": self.unwritten_outcome} if self.unwritten_outcome else None,
+                )
+                self._put_back(batch)
+                return 0
+            return self._size(batch)
 
     def pending(self) -> int:
         """How much waits to be written."""
+        raise NotImplementedError
+
+    def _take(self) -> Batch:
+        """Take what is pending (under ``_lock``), leaving nothing pending."""
+        raise NotImplementedError
+
+    def _write(self, batch: Batch) -> None:
+        """Write ``batch`` in one transaction of its own."""
+        raise NotImplementedError
+
+    def _put_back(self, batch: Batch) -> None:
+        """Keep a batch whose write failed for the next round."""
+        raise NotImplementedError
+
+    def _size(self, batch: Batch) -> int:
+        """How much ``batch`` counts (what ``flush`` returns)."""
         raise NotImplementedError
 
     def wake(self) -> None:
@@ -85,7 +127,7 @@ class BackgroundWriter:
             self.flush()
 
 
-_WRITERS: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+_WRITERS: weakref.WeakSet[BackgroundWriter[Any]] = weakref.WeakSet()
 
 
 @atexit.register

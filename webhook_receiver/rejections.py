@@ -57,10 +57,11 @@ class _Tally:
     last_seen_at: datetime
 
 
-class RejectionCounter(BackgroundWriter):
+class RejectionCounter(BackgroundWriter[dict[_Key, _Tally]]):
     """One process's refusals not yet written, added up per key, and the thread that writes them."""
 
     thread_name = "rejections"
+    unwritten = "refused deliveries"
 
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
         super().__init__(engine, flush_seconds)
@@ -88,32 +89,21 @@ class RejectionCounter(BackgroundWriter):
         with self._lock:
             return sum(t.count for t in self._pending.values())
 
-    def flush(self) -> int:
-        """Write what is pending now; return how many refusals were written (0 if it failed)."""
-        with self._flushing:
-            with self._lock:
-                batch, self._pending = self._pending, {}
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                log.error(
-                    "dropped %d refused deliveries from the counts (more than %d keys waiting)",
-                    dropped,
-                    MAX_PENDING,
-                    extra={"outcome": "rejections_dropped"},
-                )
-            if not batch:
-                return 0
-            try:
-                self._write(batch)
-            except Exception:
-                log.warning(
-                    "could not record %d refused deliveries; will try again",
-                    sum(t.count for t in batch.values()),
-                    exc_info=True,
-                )
-                self._put_back(batch)
-                return 0
-            return sum(t.count for t in batch.values())
+    def _take(self) -> dict[_Key, _Tally]:
+        with self._lock:
+            batch, self._pending = self._pending, {}
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            log.error(
+                "dropped %d refused deliveries from the counts (more than %d keys waiting)",
+                dropped,
+                MAX_PENDING,
+                extra={"outcome": "rejections_dropped"},
+            )
+        return batch
+
+    def _size(self, batch: dict[_Key, _Tally]) -> int:
+        return sum(t.count for t in batch.values())
 
     def _write(self, batch: dict[_Key, _Tally]) -> None:
         stmt = self._insert()

@@ -154,10 +154,12 @@ class Redelivery(NamedTuple):
     received_at: datetime
 
 
-class DuplicateLedger(BackgroundWriter):
+class DuplicateLedger(BackgroundWriter[list[Redelivery]]):
     """One process's redeliveries not yet written, and the thread that writes them."""
 
     thread_name = "duplicate-ledger"
+    unwritten = "redeliveries"
+    unwritten_outcome = "duplicates_unrecorded"
 
     def __init__(self, engine: Engine, flush_seconds: float) -> None:
         super().__init__(engine, flush_seconds)
@@ -183,25 +185,13 @@ class DuplicateLedger(BackgroundWriter):
         with self._lock:
             return len(self._pending)
 
-    def flush(self) -> int:
-        """Write what is pending now; return how many were written (0 if the write failed)."""
-        with self._flushing:
-            with self._lock:
-                batch, self._pending = self._pending, []
-            if not batch:
-                return 0
-            try:
-                self._write(batch)
-            except Exception:
-                log.warning(
-                    "could not record %d redeliveries; will try again",
-                    len(batch),
-                    exc_info=True,
-                    extra={"outcome": "duplicates_unrecorded"},
-                )
-                self._put_back(batch)
-                return 0
-            return len(batch)
+    def _take(self) -> list[Redelivery]:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        return batch
+
+    def _size(self, batch: list[Redelivery]) -> int:
+        return len(batch)
 
     def _write(self, batch: list[Redelivery], *, fast: bool = True) -> None:
         """Write one batch in one transaction.
