@@ -12,10 +12,12 @@ here equals the row the plain Core path stores.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import DateTime
 from sqlalchemy.engine import Connection, Engine
@@ -113,6 +115,33 @@ class DriverStatement:
                 else:
                     append(process(value))
         return flat
+
+
+Built = TypeVar("Built")
+
+
+class PerEngine(Generic[Built]):
+    """What ``build`` makes of an engine (its statements), built once per engine, on first use.
+
+    Each engine its own: the tests run apps on both databases. Hand out the
+    bound ``get`` as the module's function: it is called per message, and a
+    wrapper around it would be one call more.
+    """
+
+    def __init__(self, build: Callable[[Engine], Built]) -> None:
+        self._build = build
+        self._built: weakref.WeakKeyDictionary[Engine, Built] = weakref.WeakKeyDictionary()
+        self._building = threading.Lock()
+
+    def get(self, engine: Engine) -> Built:
+        """``engine``'s, built now if this is its first use (by one thread, the others wait)."""
+        built = self._built.get(engine)
+        if built is None:
+            with self._building:
+                built = self._built.get(engine)
+                if built is None:
+                    built = self._built[engine] = self._build(engine)
+        return built
 
 
 @contextmanager

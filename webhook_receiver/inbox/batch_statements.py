@@ -13,8 +13,6 @@ keeping it one round trip.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -23,6 +21,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
+from ..database_driver import PerEngine
 from ..models import BrokerPosition, UTCDateTime
 from .batch_rows import BatchRows
 from .messages import Message
@@ -189,16 +188,5 @@ class RiddenBatch:
 
 _UTC_BIND = UTCDateTime().process_bind_param
 
-_BY_ENGINE: weakref.WeakKeyDictionary[Engine, BatchStatements] = weakref.WeakKeyDictionary()
-_BUILDING = threading.Lock()
-
-
-def for_engine(engine: Engine) -> BatchStatements:
-    """The riders' statements of ``engine``, built on first use."""
-    built = _BY_ENGINE.get(engine)
-    if built is None:
-        with _BUILDING:
-            built = _BY_ENGINE.get(engine)
-            if built is None:
-                built = _BY_ENGINE[engine] = BatchStatements(engine)
-    return built
+# The riders' statements of an engine, built on first use.
+for_engine = PerEngine(BatchStatements).get

@@ -18,8 +18,6 @@ batch_rows.py.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 from sqlalchemy import (
@@ -36,7 +34,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
-from ..database_driver import DriverStatement
+from ..database_driver import DriverStatement, PerEngine
 from .batch_rows import BatchRows, SqliteBatch
 from .tables import (
     DELIVERY_DEFAULTS,
@@ -226,16 +224,5 @@ def _enqueue(inserted: Any) -> Any:
     )
 
 
-_BY_ENGINE: weakref.WeakKeyDictionary[Engine, Statements] = weakref.WeakKeyDictionary()
-_BUILDING = threading.Lock()
-
-
-def for_engine(engine: Engine) -> Statements:
-    """The statements of ``engine``, built on first use (each engine its own dialect)."""
-    built = _BY_ENGINE.get(engine)
-    if built is None:
-        with _BUILDING:
-            built = _BY_ENGINE.get(engine)
-            if built is None:
-                built = _BY_ENGINE[engine] = Statements(engine)
-    return built
+# The statements of an engine, built on first use (each engine its own dialect).
+for_engine = PerEngine(Statements).get
