@@ -170,15 +170,14 @@ def broker_source(name: str, table: dict[str, Any], path: str) -> BrokerSourceCo
     if provider in ("redis", "mqtt"):
         return _stream_source(name, table, where)
     url, specs = _url_and_specs(table, provider, where)
-    retention = table.get("retention_days", 30)
     size_key = "prefetch" if provider == "rabbitmq" else "batch"
-    batch = table.get(size_key, 200)
-    _check_positive({"retention_days": retention, size_key: batch}, where)
+    numbers = _positive_integers(table, {"retention_days": 30, size_key: 200}, where)
+    batch = numbers[size_key]
     common: dict[str, Any] = {
         "name": name,
         "provider": provider,
         "url": url,
-        "retention_days": retention,
+        "retention_days": numbers["retention_days"],
         **specs,
     }
     if provider == "rabbitmq":
@@ -249,11 +248,18 @@ def _topics(
     return topics
 
 
-def _check_positive(values: dict[str, Any], where: str) -> None:
-    """ConfigError unless each of ``values`` is a positive integer (not a bool)."""
+def _positive_integers(
+    table: dict[str, Any], defaults: dict[str, int], where: str
+) -> dict[str, int]:
+    """Each of ``defaults``' keys as ``table`` gives it (or its default): a positive integer.
+
+    ConfigError for any other value (a bool too, which Python counts an int).
+    """
+    values = {key: table.get(key, default) for key, default in defaults.items()}
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{where} {key} must be a positive integer")
+    return values
 
 
 def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceConfig:
@@ -285,9 +291,7 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
     offsets = table.get("offsets", "inbox")
     if offsets not in KAFKA_OFFSETS:
         raise ConfigError(f"{where} offsets must be 'inbox' or 'kafka'")
-    retention = table.get("retention_days", 30)
-    size = table.get("batch", 500)
-    _check_positive({"retention_days": retention, "batch": size}, where)
+    numbers = _positive_integers(table, {"retention_days": 30, "batch": 500}, where)
     settings = []
     for key, setting in KAFKA_SECURITY_KEYS.items():
         value = table.get(key)
@@ -318,8 +322,8 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
         url="kafka://" + ",".join(server.strip() for server in servers.split(",")),
         dedup_key=specs["dedup_key"],
         event_type=specs["event_type"],
-        batch=min(size, 100_000),
-        retention_days=retention,
+        batch=min(numbers["batch"], 100_000),
+        retention_days=numbers["retention_days"],
         topics=tuple(topics),
         group_id=group_id,
         dead_letter_topic=dead,
@@ -332,11 +336,10 @@ def _stream_source(name: str, table: dict[str, Any], where: str) -> BrokerSource
     """Validate a Redis Streams or MQTT source's table (docs/brokers.md's examples)."""
     provider = table["provider"]
     url, specs = _url_and_specs(table, provider, where)
-    numbers = {"retention_days": 30, "batch": 200 if provider == "redis" else 100}
+    defaults = {"retention_days": 30, "batch": 200 if provider == "redis" else 100}
     if provider == "redis":
-        numbers.update(claim_idle_seconds=60, max_deliveries=5)
-    values = {key: table.get(key, default) for key, default in numbers.items()}
-    _check_positive(values, where)
+        defaults.update(claim_idle_seconds=60, max_deliveries=5)
+    values = _positive_integers(table, defaults, where)
     common: dict[str, Any] = {
         "name": name,
         "provider": provider,
@@ -566,18 +569,12 @@ def cloud_queue_source(name: str, table: dict[str, Any], where: str) -> BrokerSo
         "event_type": table.get("event_type", ""),
     }
     _check_specs(specs, provider, where)
-    retention = table.get("retention_days", 30)
-    size = table.get("batch", _DEFAULT_BATCH[provider])
-    _check_positive({"retention_days": retention, "batch": size}, where)
-    if size > _MAX_BATCH:
+    numbers = _positive_integers(
+        table, {"retention_days": 30, "batch": _DEFAULT_BATCH[provider]}, where
+    )
+    if numbers["batch"] > _MAX_BATCH:
         raise ConfigError(f"{where} batch must be at most {_MAX_BATCH}")
-    common: dict[str, Any] = {
-        "name": name,
-        "provider": provider,
-        "batch": size,
-        "retention_days": retention,
-        **specs,
-    }
+    common: dict[str, Any] = {"name": name, "provider": provider, **numbers, **specs}
     if provider == "pubsub":
         return _pubsub_source(table, where, common)
     queue_url, queue = _sqs_queue_url(table.get("queue_url"), where, "queue_url")
