@@ -19,15 +19,18 @@ them with the event. Data access only: nothing here commits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import Connection, bindparam, func, insert, select
 
 from ..extensions import db
 from ..models import Delivery, DeliveryAttempt
+from . import deliveries
+from .deliveries import Claim
 
 DELIVERED = "delivered"
 RETRYABLE_FAILURE = "retryable_failure"
@@ -67,26 +70,82 @@ def add(attempt: Attempt) -> None:
     The delivery's ``replay_id`` (the replay that queued it again, if any)
     is copied by the INSERT itself: no read beforehand.
     """
+    db.session.execute(_insert(), _parameters(attempt))
+
+
+def add_with_outcome(
+    connection: Connection, attempt: Attempt, claim: Claim, now: datetime, values: dict[str, Any]
+) -> bool:
+    """Write the attempt and its outcome in one statement; False if the lease was lost.
+
+    ``values`` are the outcome's columns (``deliveries.delivered_values``,
+    ``retry_values``, ``dead_values``), set fenced by the claim's lease as
+    ``deliveries.finish`` sets them. On ``connection`` outside a transaction
+    it is a unit of work by itself, committed in one round trip. As in
+    the outcome's transaction (``add``, then ``finish``), the attempt's row
+    is written even when the lease was lost. PostgreSQL only: a
+    data-modifying CTE, which SQLite has not.
+    """
+    statement = _insert_with_outcome(tuple(values))
+    parameters = {**_parameters(attempt), **deliveries.finish_parameters(claim, now, values)}
+    return bool(connection.execute(statement, parameters).scalar_one())
+
+
+# The attempt's columns the worker gives, each a bind parameter of the INSERT.
+_GIVEN = (
+    "delivery_id",
+    "number",
+    "started_at",
+    "ended_at",
+    "outcome",
+    "latency_ms",
+    "status",
+    "confirmation",
+    "error",
+    "response_body",
+    "worker",
+)
+
+
+def _parameters(attempt: Attempt) -> dict[str, Any]:
     if attempt.outcome not in OUTCOMES:
         raise ValueError(f"unknown attempt outcome {attempt.outcome!r}")
-    db.session.execute(
-        insert(_t).values(
-            delivery_id=attempt.delivery_id,
-            number=attempt.number,
-            started_at=attempt.started_at,
-            ended_at=attempt.ended_at,
-            outcome=attempt.outcome,
-            latency_ms=round(attempt.latency_ms, 3),
-            status=attempt.status,
-            confirmation=_clip(attempt.confirmation, MAX_CONFIRMATION),
-            error=_clip(attempt.error, MAX_ERROR),
-            response_body=_clip(attempt.response_body, MAX_RESPONSE_BODY),
-            replay_id=select(_d.c.replay_id)
-            .where(_d.c.id == attempt.delivery_id)
-            .scalar_subquery(),
-            worker=attempt.worker,
-        )
-    )
+    values = {
+        "delivery_id": attempt.delivery_id,
+        "number": attempt.number,
+        "started_at": attempt.started_at,
+        "ended_at": attempt.ended_at,
+        "outcome": attempt.outcome,
+        "latency_ms": round(attempt.latency_ms, 3),
+        "status": attempt.status,
+        "confirmation": _clip(attempt.confirmation, MAX_CONFIRMATION),
+        "error": _clip(attempt.error, MAX_ERROR),
+        "response_body": _clip(attempt.response_body, MAX_RESPONSE_BODY),
+        "worker": attempt.worker,
+    }
+    return {f"attempt_{name}": value for name, value in values.items()}
+
+
+@functools.cache
+def _insert() -> Any:
+    """The attempt's INSERT, built once: the worker runs it for every attempt."""
+    given = {name: bindparam(f"attempt_{name}", type_=_t.c[name].type) for name in _GIVEN}
+    replay = select(_d.c.replay_id).where(_d.c.id == given["delivery_id"]).scalar_subquery()
+    return insert(_t).values({**given, "replay_id": replay})
+
+
+@functools.lru_cache(maxsize=16)  # per outcome's set of columns: three
+def _insert_with_outcome(columns: tuple[str, ...]) -> Any:
+    """The attempt's INSERT under the fenced UPDATE of its outcome, as a CTE.
+
+    WITH finished AS (UPDATE deliveries ... RETURNING id) INSERT INTO
+    delivery_attempts ... RETURNING (SELECT count(*) FROM finished): every
+    part of the statement sees the same snapshot, so the INSERT's
+    ``replay_id`` is read as before the UPDATE, which does not change it.
+    """
+    finished = deliveries.finished_update(columns).cte("finished")
+    held = select(func.count()).select_from(finished).scalar_subquery()
+    return _insert().add_cte(finished).returning(held)
 
 
 def _clip(text: str | None, size: int) -> str | None:

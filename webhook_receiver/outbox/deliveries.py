@@ -279,44 +279,99 @@ def _finish(
     condition = and_(_t.c.id == claim.id, _t.c.lease_token == claim.token)
     if when is not None:
         condition = and_(condition, when)
-    result = db.session.execute(
-        update(_t)
-        .where(condition)
-        .values(lease_token=None, lease_expires_at=None, updated_at=now, **values)
-    )
+    result = db.session.execute(update(_t).where(condition).values(_ended(now, values)))
     return _rowcount(result) == 1
+
+
+# What every outcome sets besides its own columns: the lease is given up.
+_LEASE_ENDED = ("lease_token", "lease_expires_at", "updated_at")
+
+
+def _ended(now: datetime, values: dict[str, Any]) -> dict[str, Any]:
+    return dict(zip(_LEASE_ENDED, (None, None, now), strict=True), **values)
+
+
+def delivered_values(now: datetime, status: int | None = None) -> dict[str, Any]:
+    """The columns a delivered outcome sets (with ``finish``)."""
+    return {"state": DELIVERED, "response_status": status, "last_error": None, "completed_at": now}
+
+
+def retry_values(next_attempt_at: datetime, error: str, status: int | None) -> dict[str, Any]:
+    """The columns a failed attempt to be tried again sets (with ``finish``)."""
+    return {
+        "state": PENDING,
+        "next_attempt_at": next_attempt_at,
+        "last_error": error[:MAX_ERROR],
+        "response_status": status,
+    }
+
+
+def dead_values(now: datetime, error: str, status: int | None) -> dict[str, Any]:
+    """The columns of giving up until an operator requeues it (with ``finish``)."""
+    return {
+        "state": DEAD,
+        "last_error": error[:MAX_ERROR],
+        "response_status": status,
+        "completed_at": now,
+    }
+
+
+def finish(claim: Claim, now: datetime, values: dict[str, Any]) -> bool:
+    """Set an outcome's ``values`` on the claimed delivery; False if the lease was lost.
+
+    ``values`` come from ``delivered_values``, ``retry_values`` or
+    ``dead_values``. The caller commits.
+    """
+    return _finish(claim, now, **values)
 
 
 def mark_delivered(claim: Claim, now: datetime, status: int | None = None) -> bool:
     """Mark the delivery done (the caller commits); False if the lease was lost."""
-    return _finish(
-        claim, now, state=DELIVERED, response_status=status, last_error=None, completed_at=now
-    )
+    return finish(claim, now, delivered_values(now, status))
 
 
 def mark_retry(
     claim: Claim, now: datetime, next_attempt_at: datetime, error: str, status: int | None
 ) -> bool:
     """Record a failed attempt and when to try again; False if the lease was lost."""
-    return _finish(
-        claim,
-        now,
-        state=PENDING,
-        next_attempt_at=next_attempt_at,
-        last_error=error[:MAX_ERROR],
-        response_status=status,
-    )
+    return finish(claim, now, retry_values(next_attempt_at, error, status))
 
 
 def mark_dead(claim: Claim, now: datetime, error: str, status: int | None) -> bool:
     """Give up on the delivery until an operator requeues it; False if the lease was lost."""
-    return _finish(
-        claim,
-        now,
-        state=DEAD,
-        last_error=error[:MAX_ERROR],
-        response_status=status,
-        completed_at=now,
+    return finish(claim, now, dead_values(now, error, status))
+
+
+def finish_parameters(claim: Claim, now: datetime, values: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of ``finished_update(tuple(values))`` for this claim and outcome."""
+    return {
+        "finish_id": claim.id,
+        "finish_token": claim.token,
+        **{f"finish_{name}": value for name, value in _ended(now, values).items()},
+    }
+
+
+@functools.lru_cache(maxsize=16)  # per outcome's set of columns: three
+def finished_update(columns: tuple[str, ...]) -> Any:
+    """The fenced UPDATE of an outcome setting ``columns``, RETURNING the id when it held.
+
+    Built once per shape, with bind parameters (``finish_parameters``): for
+    a statement that writes the outcome with more (the attempt's row, in
+    ``outbox/attempts.py``). Fenced as ``finish`` is.
+    """
+    return (
+        update(_t)
+        .where(
+            _t.c.id == bindparam("finish_id", type_=_t.c.id.type),
+            _t.c.lease_token == bindparam("finish_token", type_=_t.c.lease_token.type),
+        )
+        .values(
+            {
+                name: bindparam(f"finish_{name}", type_=_t.c[name].type)
+                for name in (*_LEASE_ENDED, *columns)
+            }
+        )
+        .returning(_t.c.id)
     )
 
 

@@ -2,7 +2,9 @@
 
 The worker opens :class:`Notes` when an attempt starts, a forward adds what
 the consumer answered, and :func:`record` writes the attempt's row (through
-``outbox.attempts``) in the transaction that records its outcome.
+``outbox.attempts``) in the transaction that records its outcome; or
+:func:`of` gives the row to the one statement that writes it with the
+outcome (PostgreSQL, see the worker).
 
 A response body is kept up to its first 2 KB, as text, with what looks
 like a credential replaced by ``[redacted]``: the forward's own secrets
@@ -40,6 +42,7 @@ __all__ = [
     "RETRYABLE_FAILURE",
     "SKIPPED",
     "Notes",
+    "of",
     "record",
     "redact",
     "response_text",
@@ -79,22 +82,34 @@ def record(
     worker: str | None = None,
 ) -> None:
     """Add the attempt's row in the current transaction (the outcome's); the caller commits."""
+    attempts.add(of(claim, notes, now, outcome, status=status, error=error, worker=worker))
+
+
+def of(
+    claim: Claim,
+    notes: Notes | None,
+    now: datetime,
+    outcome: str,
+    *,
+    status: int | None = None,
+    error: str | None = None,
+    worker: str | None = None,
+) -> Attempt:
+    """The attempt's row, ending ``now``: what ``record`` adds, or the outcome's statement."""
     if notes is None:
         notes = Notes(started_at=now, started=time.monotonic())
-    attempts.add(
-        Attempt(
-            delivery_id=claim.id,
-            number=claim.attempt,
-            started_at=min(notes.started_at, now),
-            ended_at=now,
-            outcome=outcome,
-            latency_ms=(time.monotonic() - notes.started) * 1000,
-            status=status,
-            confirmation=notes.confirmation,
-            error=None if error is None else redact(error),
-            response_body=notes.response_body,
-            worker=worker,
-        )
+    return Attempt(
+        delivery_id=claim.id,
+        number=claim.attempt,
+        started_at=min(notes.started_at, now),
+        ended_at=now,
+        outcome=outcome,
+        latency_ms=(time.monotonic() - notes.started) * 1000,
+        status=status,
+        confirmation=notes.confirmation,
+        error=None if error is None else redact(error),
+        response_body=notes.response_body,
+        worker=worker,
     )
 
 

@@ -45,10 +45,16 @@ from sqlalchemy import select
 
 from .. import tracing
 from ..config import ConfigError
-from ..database import is_unavailable, stall_watch, unit_of_work
+from ..database import (
+    autocommit_connection,
+    is_sqlite,
+    is_unavailable,
+    stall_watch,
+    unit_of_work,
+)
 from ..extensions import db
 from ..models import Event, utcnow
-from ..outbox import circuits, deliveries, ordering
+from ..outbox import attempts, circuits, deliveries, ordering
 from ..outbox.deliveries import Claim
 from . import attempts as attempt_log
 from . import backoff, forwarding, limits, publishers, registry, replay
@@ -414,14 +420,24 @@ class Worker:
                 permanent=not result.retryable,
             )
         now = self.clock()
+        if key is None:
+            marked = self._finish(
+                claim,
+                now,
+                deliveries.delivered_values(now, result.status),
+                attempt_log.DELIVERED,
+                status=result.status,
+            )
+            return self._outcome(
+                claim, snap, DELIVERED if marked else LEASE_LOST, status=result.status
+            )
         with self._watch("worker outcome"), unit_of_work():
             self._log_attempt(claim, attempt_log.DELIVERED, status=result.status)
             if not deliveries.mark_delivered(claim, now, result.status):
                 return self._outcome(claim, snap, LEASE_LOST, status=result.status)
-            if key is not None:
-                # Already sent, so it is delivered either way; the version
-                # only moves forward.
-                ordering.advance(snap.source, key, claim.event_id, now)
+            # Already sent, so it is delivered either way; the version only
+            # moves forward.
+            ordering.advance(snap.source, key, claim.event_id, now)
         return self._outcome(claim, snap, DELIVERED, status=result.status)
 
     def _skipped_as_stale(self, claim: Claim, snap: _Snapshot) -> AttemptOutcome:
@@ -454,9 +470,14 @@ class Worker:
             rand=self.rand,
         )
         next_at = now + timedelta(seconds=delay)
-        with self._watch("worker outcome"), unit_of_work():
-            self._log_attempt(claim, attempt_log.RETRYABLE_FAILURE, status=status, error=error)
-            marked = deliveries.mark_retry(claim, now, next_at, error, status)
+        marked = self._finish(
+            claim,
+            now,
+            deliveries.retry_values(next_at, error, status),
+            attempt_log.RETRYABLE_FAILURE,
+            status=status,
+            error=error,
+        )
         if not marked:
             return self._outcome(claim, snap, LEASE_LOST, status=status, error=error)
         return self._outcome(
@@ -473,9 +494,15 @@ class Worker:
         retryable: bool = False,
     ) -> AttemptOutcome:
         failure = attempt_log.RETRYABLE_FAILURE if retryable else attempt_log.PERMANENT_FAILURE
-        with self._watch("worker outcome"), unit_of_work():
-            self._log_attempt(claim, failure, status=status, error=error)
-            marked = deliveries.mark_dead(claim, self.clock(), error, status)
+        now = self.clock()
+        marked = self._finish(
+            claim,
+            now,
+            deliveries.dead_values(now, error, status),
+            failure,
+            status=status,
+            error=error,
+        )
         return self._outcome(
             claim, snap, DEAD if marked else LEASE_LOST, status=status, error=error
         )
@@ -501,6 +528,43 @@ class Worker:
         if notes is not None:
             notes.response_body = result.response_body
             notes.confirmation = result.confirmation
+
+    def _finish(
+        self,
+        claim: Claim,
+        now: datetime,
+        values: dict[str, Any],
+        outcome: str,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Set the outcome's ``values``, with the attempt's row; False if the lease was lost.
+
+        For an outcome that writes nothing else: on PostgreSQL, with the
+        attempt log on, one statement outside any transaction (a
+        data-modifying CTE, ``outbox.attempts.add_with_outcome``), its own
+        unit of work in one round trip, durable when it returns; else the
+        row and the outcome in one ``unit_of_work`` (SQLite's in the
+        writers' turn). Either way the row is written even if the lease was
+        lost, and nothing of the delivery changes then.
+        """
+        with self._watch("worker outcome"):
+            if self.attempt_log and not is_sqlite():
+                attempt = attempt_log.of(
+                    claim,
+                    getattr(self._local, "notes", None),
+                    self.clock(),
+                    outcome,
+                    status=status,
+                    error=error,
+                    worker=self.name,
+                )
+                with autocommit_connection() as connection:
+                    return attempts.add_with_outcome(connection, attempt, claim, now, values)
+            with unit_of_work():
+                self._log_attempt(claim, outcome, status=status, error=error)
+                return deliveries.finish(claim, now, values)
 
     def _log_attempt(
         self, claim: Claim, outcome: str, *, status: int | None = None, error: str | None = None
