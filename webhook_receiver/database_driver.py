@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import DateTime
+from sqlalchemy import DateTime, select
 from sqlalchemy.engine import Connection, Engine
 
 from .database import driver_errors
@@ -142,6 +142,29 @@ class PerEngine(Generic[Built]):
                 if built is None:
                     built = self._built[engine] = self._build(engine)
         return built
+
+
+def insert_unless_stored(
+    table: Any, row: Mapping[str, Any], stored: Any, unique: list[str], name: str
+) -> Any:
+    """PostgreSQL: a CTE that inserts ``row`` (column: value) only when ``stored`` found none.
+
+    The insert of a one-statement read-or-insert: the CTE ``stored`` reads
+    what is under the key, this one inserts only when nothing is, and
+    ``ON CONFLICT DO NOTHING`` on the ``unique`` columns leaves a copy
+    committed after the statement's snapshot alone. It returns the new
+    row's ``id``, none when it made no row.
+    """
+    from sqlalchemy.dialects import postgresql
+
+    new_row = select(*row.values()).where(~select(stored.c.id).exists())
+    return (
+        postgresql.insert(table)
+        .from_select(list(row), new_row)
+        .on_conflict_do_nothing(index_elements=unique)
+        .returning(table.c.id)
+        .cte(name)
+    )
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from ..database import dialect_insert
-from ..database_driver import DriverStatement, PerEngine
+from ..database_driver import DriverStatement, PerEngine, insert_unless_stored
 from .batch_rows import BatchRows, SqliteBatch
 from .tables import (
     DELIVERY_DEFAULTS,
@@ -124,14 +124,8 @@ def _receive_statement() -> Any:
         )
         .cte("stored")
     )
-    new_row = select(*[_value(name) for name in EVENT_COLUMNS]).where(~select(stored.c.id).exists())
-    inserted = (
-        postgresql.insert(events)
-        .from_select(list(EVENT_COLUMNS), new_row)
-        .on_conflict_do_nothing(index_elements=["source", "dedup_key"])
-        .returning(events.c.id)
-        .cte("inserted")
-    )
+    row = {name: _value(name) for name in EVENT_COLUMNS}
+    inserted = insert_unless_stored(events, row, stored, ["source", "dedup_key"], "inserted")
     enqueued = _enqueue(inserted)
     return select(
         select(stored.c.id).scalar_subquery().label("stored_id"),

@@ -15,7 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 from ...database import insert_ignoring_conflicts
-from ...database_driver import DriverStatement
+from ...database_driver import DriverStatement, insert_unless_stored
 from ...models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -126,24 +126,12 @@ def claim_statement(dialect: str) -> Any:
     statement = _CLAIMS.get(dialect)
     if statement is not None:
         return statement
+    row = {name: bindparam(name, type_=_t.c[name].type) for name in CLAIM_COLUMNS}
     if dialect == "sqlite":
-        statement = (
-            insert_ignoring_conflicts(_t, ["client", "key"])
-            .values({name: bindparam(name, type_=_t.c[name].type) for name in CLAIM_COLUMNS})
-            .returning(_t.c.id)
-        )
+        statement = insert_ignoring_conflicts(_t, ["client", "key"]).values(row).returning(_t.c.id)
     else:
         stored = LOOKUP.cte("stored")
-        new_row = select(*[bindparam(name, type_=_t.c[name].type) for name in CLAIM_COLUMNS]).where(
-            ~select(stored.c.id).exists()
-        )
-        claimed = (
-            postgresql.insert(_t)
-            .from_select(list(CLAIM_COLUMNS), new_row)
-            .on_conflict_do_nothing(index_elements=["client", "key"])
-            .returning(_t.c.id)
-            .cte("claimed")
-        )
+        claimed = insert_unless_stored(_t, row, stored, ["client", "key"], "claimed")
         statement = select(
             *[select(column).scalar_subquery().label(column.name) for column in stored.c],
             select(claimed.c.id).scalar_subquery().label("claimed_id"),
