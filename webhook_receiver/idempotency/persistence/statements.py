@@ -6,7 +6,6 @@ Building one per request cost more CPU than running it.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 from ...database import insert_ignoring_conflicts
-from ...database_driver import DriverStatement, insert_unless_stored
+from ...database_driver import DriverStatement, PerEngine, insert_unless_stored
 from ...models import IdempotencyRecord
 
 IN_PROGRESS = "in_progress"
@@ -40,30 +39,27 @@ class DriverStatements:
     upsert: DriverStatement
 
 
-# Per engine: the tests run apps on both databases.
-_BY_ENGINE: weakref.WeakKeyDictionary[Engine, DriverStatements] = weakref.WeakKeyDictionary()
-
-
-def driver_statements(engine: Engine) -> DriverStatements:
-    """``LOOKUP`` and ``records.save_in_transaction``'s upsert on ``engine``'s driver, built once.
+def _driver_statements(engine: Engine) -> DriverStatements:
+    """``LOOKUP`` and ``records.save_in_transaction``'s upsert on ``engine``'s driver.
 
     A replay is the read and nothing else: through SQLAlchemy's execution
     (a Connection, its result) the read cost about as much CPU as the rest
     of the replay; the upsert too cost more than its statement. The
     columns' own types still convert each value.
     """
-    built = _BY_ENGINE.get(engine)
-    if built is None:
-        dialect = engine.dialect
-        built = _BY_ENGINE[engine] = DriverStatements(
-            find=DriverStatement(LOOKUP, dialect),
-            find_processors=[
-                column.type.dialect_impl(dialect).result_processor(dialect, None)
-                for column in LOOKUP.selected_columns
-            ],
-            upsert=DriverStatement(upsert_statement(dialect.name), dialect),
-        )
-    return built
+    dialect = engine.dialect
+    return DriverStatements(
+        find=DriverStatement(LOOKUP, dialect),
+        find_processors=[
+            column.type.dialect_impl(dialect).result_processor(dialect, None)
+            for column in LOOKUP.selected_columns
+        ],
+        upsert=DriverStatement(upsert_statement(dialect.name), dialect),
+    )
+
+
+# Built once per engine, on first use (the tests run apps on both databases).
+driver_statements = PerEngine(_driver_statements).get
 
 
 def upsert_statement(dialect: str, only_if: Any = None) -> Any:
