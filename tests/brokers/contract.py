@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from webhook_receiver.brokers import rabbitmq
+
 from .cloud_fixtures import SqsQueue, Subscription, pubsub_source, sqs_source
 from .conftest import Queue, Stream, Topic, kafka_source, nats_source, rabbit_source
 from .mqtt_fixtures import MqttTopics, mqtt_source
@@ -90,7 +92,8 @@ class RabbitMQ(BrokerUnderTest):
     """A queue with its dead-letter exchange and queue; keys in the message_id property."""
 
     name = "rabbitmq"
-    batches_held = 3  # one storing, one prepared, one arriving
+    # The batches being stored, one prepared, one arriving.
+    batches_held = rabbitmq.STORES_IN_FLIGHT + 2
 
     def __init__(self, queue: Queue) -> None:
         self.queue = queue

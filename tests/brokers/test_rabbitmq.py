@@ -306,3 +306,43 @@ def test_a_pool_with_no_connection_to_lend_is_an_outage_not_a_crash(make_app, am
             with pytest.raises(batch.DatabaseUnavailable):
                 batch.store(source, prepared)
     assert count_events(app) == 0
+
+
+def test_a_batch_committed_behind_one_that_failed_is_requeued_not_acked(make_app, amqp_queue):
+    # Two batches are stored at once. When the first fails (the database
+    # away) after the second committed, the second's messages must not be
+    # acknowledged before the first's: everything is requeued, and the
+    # second batch comes back as redeliveries of what it stored.
+    import threading
+
+    from webhook_receiver.brokers import batch, runner
+
+    app = _app(make_app, amqp_queue, prefetch=10)
+    amqp_queue.publish([_message(n) for n in range(20)])
+    second_committed = threading.Event()
+    calls = []
+
+    def store(source, prepared):
+        calls.append(len(prepared.messages))
+        if len(calls) == 1:
+            # Fails only once the batch behind it has committed.
+            assert second_committed.wait(10), "the second batch was not stored meanwhile"
+            raise batch.DatabaseUnavailable("the database went away")
+        verdicts = batch.store(source, prepared)
+        if len(calls) == 2:
+            second_committed.set()
+        return verdicts
+
+    stop = threading.Event()
+    consumer = runner.consumer_for(app, app.config["FILE_CONFIG"].brokers[SOURCE], stop)
+    consumer.store = store
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: count_events(app) == 20 and amqp_queue.ready() == 0, 30)
+        assert wait_until(lambda: duplicate_total(app) == 10, 10)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert second_committed.is_set()
+    assert sorted(stored_keys(app)) == sorted(f"msg-{n}" for n in range(20))
