@@ -231,7 +231,9 @@ def stall_watch(what: str, after: float | None = None, **fields: Any) -> Iterato
     5), one WARNING from ``webhook_receiver.database``, "database stalled",
     with ``extra`` fields ``what``, ``stalled_seconds`` and ``fields``
     (names that are not LogRecord attributes); when a block that stalled
-    ends, one INFO line with how long it took. The block's exceptions pass
+    ends, one INFO line with how long it took. Blocks of one kind (the same
+    ``what`` and ``fields``) that stall together, as a consumer's batches
+    stored at once do, are one stall: said once, and ended by the last. The block's exceptions pass
     through untouched. Costs two lock round trips when nothing stalls: one
     watchdog thread per process times every block.
     """
@@ -261,14 +263,18 @@ def _stall_warning_seconds() -> float:
 
 
 class _Watch:
-    __slots__ = ("what", "fields", "started", "deadline", "stalled")
+    __slots__ = ("what", "fields", "started", "deadline", "stalled", "said")
 
     def __init__(self, what: str, after: float, fields: dict[str, Any]) -> None:
         self.what = what
         self.fields = fields
         self.started = time.monotonic()
         self.deadline = self.started + after
-        self.stalled = False
+        self.stalled = False  # past its deadline
+        self.said = False  # the stall of its kind said, its end to be said
+
+    def same_kind(self, other: _Watch) -> bool:
+        return self.what == other.what and self.fields == other.fields
 
 
 class _Watchdog:
@@ -301,18 +307,27 @@ class _Watchdog:
                 self._changed.notify()
 
     def remove(self, watch: _Watch) -> bool:
-        """Close the block's watch; tell whether it was reported stalled."""
+        """Close the block's watch; tell whether the end of its stall is to be said."""
         with self._changed:
             self._open.discard(watch)
-            return watch.stalled
+            if not watch.said:
+                return False
+            for other in self._open:
+                if other.stalled and other.same_kind(watch):
+                    other.said = True  # the stall goes on: the last of its kind ends it
+                    return False
+            return True
 
     def _run(self) -> None:
         while True:
             with self._changed:
                 now = time.monotonic()
-                due = [w for w in self._open if not w.stalled and w.deadline <= now]
-                for watch in due:
+                due = []
+                for watch in [w for w in self._open if not w.stalled and w.deadline <= now]:
                     watch.stalled = True
+                    if not any(w.said and w.same_kind(watch) for w in self._open):
+                        watch.said = True
+                        due.append(watch)
                 waiting = [w.deadline for w in self._open if not w.stalled]
                 self._wake_at = min(waiting, default=float("inf"))
                 if not due:

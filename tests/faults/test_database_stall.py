@@ -104,6 +104,34 @@ def test_stall_watch_warns_once_when_a_block_overruns_and_says_when_it_ends(capl
     assert finished[0].stalled_seconds >= 0.5
 
 
+def test_blocks_of_one_kind_stalled_together_are_one_stall_said_once_ended_by_the_last(caplog):
+    # A consumer stores two batches at once: one stall of its database is
+    # one warning and one end, whichever of its blocks ends last.
+    def block(what: str, source: str, seconds: float) -> threading.Thread:
+        def run() -> None:
+            with stall_watch(what, after=0.1, source=source):
+                time.sleep(seconds)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    with caplog.at_level(logging.INFO, logger="webhook_receiver.database"):
+        threads = [
+            block("broker batch store", "feed", 0.4),
+            block("broker batch store", "feed", 0.8),
+            block("broker batch store", "other", 0.4),  # another kind: its own stall
+        ]
+        for thread in threads:
+            thread.join()
+    warnings = _lines(caplog, STALLED)
+    assert sorted(r.source for r in warnings) == ["feed", "other"]
+    finished = _lines(caplog, FINISHED)
+    assert sorted(r.source for r in finished) == ["feed", "other"]
+    feed = next(r for r in finished if r.source == "feed")
+    assert feed.stalled_seconds >= 0.8  # said when the last of the two ended
+
+
 @on_postgresql
 def test_postgresql_cancels_a_statement_stuck_on_a_lock_as_the_database_being_away(
     make_app, db_url, caplog
