@@ -251,6 +251,11 @@ class Consumer:
         """Connect, then fetch, store and settle batches until stopped (each adapter's own)."""
         raise NotImplementedError
 
+    def store_prepared(self, prepared: Prepared) -> list[Verdict]:
+        """Store a prepared batch in the app's context: what a storing thread runs."""
+        with self.app.app_context():
+            return self.store(self.source, prepared)
+
     def describe(self, exc: BaseException) -> str:
         """An outage's error as its log line says it (with no credentials)."""
         return f"{type(exc).__name__}: {exc}"

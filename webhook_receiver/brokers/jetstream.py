@@ -414,9 +414,7 @@ class JetStreamConsumer(batch.Consumer):
         self.settled += len(messages) - retried
 
     def _store(self, raws: list[_Raw]) -> list[batch.Verdict]:
-        prepared = self.prepare(self.source, raws, self._broker_message)
-        with self.app.app_context():
-            return self.store(self.source, prepared)
+        return self.store_prepared(self.prepare(self.source, raws, self._broker_message))
 
     async def _dead_letter(self, js: Any, message: Any, verdict: batch.Verdict) -> bool:
         """Publish a copy to dead_letter_subject (if set); False when that failed."""

@@ -249,9 +249,7 @@ class MqttConsumer(batch.Consumer):
                         self._settle(client, session, *inflight)
 
     def _store(self, messages: list[Any]) -> list[batch.Verdict]:
-        prepared = self.prepare(self.source, messages, self._broker_message)
-        with self.app.app_context():
-            return self.store(self.source, prepared)
+        return self.store_prepared(self.prepare(self.source, messages, self._broker_message))
 
     def _settle(
         self, client: Any, session: _Session, taken: list[Any], future: Future[list[batch.Verdict]]

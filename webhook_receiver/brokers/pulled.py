@@ -78,7 +78,7 @@ class PulledConsumer(batch.Consumer):
                     prepared = self.prepare(self.source, raws, read)
                     while len(settling) >= IN_FLIGHT:
                         settling.popleft().result()
-                    stored = storer.submit(self._store, prepared)
+                    stored = storer.submit(self.store_prepared, prepared)
                     settling.append(settler.submit(self._after_store, leases, raws, ticket, stored))
             finally:
                 # Stopping or not, the batches in hand are committed and settled first.
@@ -90,10 +90,6 @@ class PulledConsumer(batch.Consumer):
                         failures.append(exc)
                 if failures:
                     raise failures[0]
-
-    def _store(self, prepared: batch.Prepared) -> list[batch.Verdict]:
-        with self.app.app_context():
-            return self.store(self.source, prepared)
 
     def _after_store(
         self,

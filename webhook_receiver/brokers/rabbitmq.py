@@ -233,8 +233,7 @@ class RabbitConsumer(batch.Consumer):
 
     def _store(self, prepared: batch.Prepared, started: threading.Event) -> list[batch.Verdict]:
         started.set()
-        with self.app.app_context():
-            return self.store(self.source, prepared)
+        return self.store_prepared(prepared)
 
     def _settle(
         self,

@@ -185,7 +185,7 @@ class RedisStreamConsumer(batch.Consumer):
                         if not stored:
                             continue  # held, with what arrived: stored again first
                     if entries:
-                        inflight = (entries, pool.submit(self._store, prepared))
+                        inflight = (entries, pool.submit(self.store_prepared, prepared))
             finally:
                 # Stopping or not, the batch in hand is committed and settled first.
                 if inflight is not None:
@@ -276,10 +276,6 @@ class RedisStreamConsumer(batch.Consumer):
                 client.xgroup_delconsumer(self.stream, self.group, name)
 
     # -- storing and settling ---------------------------------------------------------
-
-    def _store(self, prepared: batch.Prepared) -> list[batch.Verdict]:
-        with self.app.app_context():
-            return self.store(self.source, prepared)
 
     def _settle(
         self,
