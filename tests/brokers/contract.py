@@ -15,8 +15,6 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from webhook_receiver.brokers import rabbitmq
-
 from .cloud_fixtures import SqsQueue, Subscription, pubsub_source, sqs_source
 from .conftest import Queue, Stream, Topic, kafka_source, nats_source, rabbit_source
 from .mqtt_fixtures import MqttTopics, mqtt_source
@@ -92,8 +90,7 @@ class RabbitMQ(BrokerUnderTest):
     """A queue with its dead-letter exchange and queue; keys in the message_id property."""
 
     name = "rabbitmq"
-    # The batches being stored, one prepared, one arriving.
-    batches_held = rabbitmq.STORES_IN_FLIGHT + 2
+    batches_held = 3  # one storing, one prepared, one arriving
 
     def __init__(self, queue: Queue) -> None:
         self.queue = queue

@@ -3,13 +3,10 @@
 Both brokers hand a message out for a time (SQS's visibility timeout,
 Pub/Sub's ack deadline) and take it back unless it is settled in time.
 A :class:`PulledConsumer` runs three stages at once, each on its own
-thread: this one receives a batch and identifies it, two more store the
-two batches before it, each in its own transaction (the database works on
-one while the consumer waits for the other's answer), another settles the
-one before those (deletes or acknowledges, dead letters). Batches are
-settled one at a time and in order; at most three are past this thread at
-once. Each message is settled on its own, so a batch committed while the
-one before it failed is settled as usual.
+thread: this one receives a batch and identifies it, a second stores the
+batch before it (the inbox's commit), a third settles the one before that
+(deletes or acknowledges, dead letters). Batches are stored, then settled,
+one at a time and in order; at most two are past this thread at once.
 Every batch is held in :class:`.leases.Leases` from its receipt until it is
 settled, so none reappears meanwhile. The database away: the batch is
 given back for the back-off (its lease set to it), nothing settled, and
@@ -32,10 +29,8 @@ from . import batch
 from .identify import BrokerMessage
 from .leases import Leases
 
-# Batches stored at once, each in its own transaction and thread.
-STORES_IN_FLIGHT = 2
-# Batches past the receiving thread at once: those storing, one settling.
-IN_FLIGHT = STORES_IN_FLIGHT + 1
+# Batches past the receiving thread at once: one storing, one settling.
+IN_FLIGHT = 2
 
 
 class PulledConsumer(batch.Consumer):
@@ -63,7 +58,7 @@ class PulledConsumer(batch.Consumer):
         name = self.source.name
         settling: deque[Future[None]] = deque()
         with (
-            ThreadPoolExecutor(STORES_IN_FLIGHT, thread_name_prefix=f"store-{name}") as storer,
+            ThreadPoolExecutor(1, thread_name_prefix=f"store-{name}") as storer,
             ThreadPoolExecutor(1, thread_name_prefix=f"settle-{name}") as settler,
         ):
             try:

@@ -2,12 +2,10 @@
 
 A batch is at most ``prefetch`` messages: what arrived by the time it is
 full or a short wait has passed. The inbox stores it in one transaction,
-in a storing thread, while the next batch is stored in another (two
-transactions in flight: the database works on one while the consumer
-waits for the other's answer), this thread prepares a third and a fourth
-arrives (``basic_qos`` allows four batches out unacknowledged). Batches
-are settled in their order: a run of messages to acknowledge is one
-``basic_ack`` with ``multiple=True``, and a message to dead-letter a
+in a second thread, while this one prepares the next batch and a third
+arrives (``basic_qos`` allows three batches out unacknowledged); then a run
+of messages to acknowledge is one ``basic_ack`` with ``multiple=True``, and
+a message to dead-letter a
 ``basic_nack(requeue=False)`` (the queue's dead-letter exchange gets it,
 unchanged). The database away: the batch is nacked with requeue and the
 consumer backs off. The broker away: reconnect with backoff; what was not
@@ -26,7 +24,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from decimal import Decimal
@@ -56,8 +53,6 @@ log = logging.getLogger(__name__)
 BATCH_WAIT_SECONDS = 0.05
 # How long an idle consumer waits for a message before looking at the stop flag.
 IDLE_WAIT_SECONDS = 0.25
-# Batches being stored at once, each in its own transaction and thread.
-STORES_IN_FLIGHT = 2
 _NOT_FOUND = 404
 _CONNECTION_ERRORS = (pika.exceptions.AMQPError, OSError)
 # A message as pika hands it over: its method frame, properties and body.
@@ -117,9 +112,8 @@ class RabbitConsumer(batch.Consumer):
         try:
             channel = connection.channel()
             self._check_queue(channel)
-            # Room for the batches being stored, one prepared and one arriving.
-            unacknowledged = (STORES_IN_FLIGHT + 2) * self.source.batch
-            channel.basic_qos(prefetch_count=min(unacknowledged, 65535))
+            # Room for a batch being stored, one prepared and one arriving.
+            channel.basic_qos(prefetch_count=min(3 * self.source.batch, 65535))
             pending: list[Raw] = []
             self._cancelled = False
             channel.add_on_cancel_callback(lambda _frame: self._on_cancel())
@@ -162,40 +156,32 @@ class RabbitConsumer(batch.Consumer):
             raise
 
     def _loop(self, connection: Any, channel: Any, pending: list[Raw]) -> None:
-        # The stages overlap: this thread receives a batch and prepares it
-        # (identifies its messages) while storing threads store the batches
-        # before it, each in its own transaction; the QoS lets another
-        # arrive meanwhile. Batches are settled in their order, on this
-        # thread, which owns the channel: an ack with multiple=True never
-        # reaches a message of a later batch. A transaction that commits
-        # before an earlier one is settled with it: its messages wait for
-        # their acks, and would come back as duplicates were the earlier
-        # batch requeued.
+        # Three stages overlap: this thread receives a batch and prepares it
+        # (identifies its messages) while a second thread stores the batch
+        # before it; the QoS lets a third arrive meanwhile. Batches are
+        # stored and settled one at a time, in order, on this thread, which
+        # owns the channel: an ack with multiple=True never reaches a
+        # message of a later batch.
         first_at: float | None = None
-        inflight: deque[tuple[list[Raw], Future[list[batch.Verdict]]]] = deque()
+        inflight: tuple[list[Raw], Future[list[batch.Verdict]]] | None = None
         ready: tuple[list[Raw], batch.Prepared] | None = None
-        threads = f"store-{self.source.name}"
-        with ThreadPoolExecutor(STORES_IN_FLIGHT, thread_name_prefix=threads) as pool:
+        with ThreadPoolExecutor(1, thread_name_prefix=f"store-{self.source.name}") as pool:
             while not self._cancelled:
                 stopping = self.stop.is_set()
-                if inflight and inflight[0][1].done():
-                    taken, future = inflight.popleft()
-                    behind = [raw for later, _ in inflight for raw in later]
-                    behind += ready[0] if ready else []
+                if inflight is not None and inflight[1].done():
+                    taken, future = inflight
+                    inflight = None
+                    behind = ready[0] if ready else []
                     if not self._settle(connection, channel, taken, future, behind, pending):
-                        # Everything received was requeued, stored or not:
-                        # the later batches' stores end before any more.
-                        for _later, later_future in inflight:
-                            later_future.exception()
-                        inflight.clear()
+                        # Everything received was requeued, prepared or not.
                         ready, first_at = None, None
                         continue
-                if stopping and not inflight:
-                    # SIGTERM: the batches stored are settled; what was only
+                if stopping and inflight is None:
+                    # SIGTERM: the batch stored is settled; what was only
                     # received or prepared goes back with the channel.
                     return
-                if len(inflight) < STORES_IN_FLIGHT and ready is not None and not stopping:
-                    inflight.append(self._submit(connection, pool, ready))
+                if inflight is None and ready is not None and not stopping:
+                    inflight = self._submit(connection, pool, ready)
                     ready = None
                     continue
                 if pending and first_at is None:
