@@ -105,8 +105,8 @@ def test_stall_watch_warns_once_when_a_block_overruns_and_says_when_it_ends(capl
 
 
 def test_blocks_of_one_kind_stalled_together_are_one_stall_said_once_ended_by_the_last(caplog):
-    # A consumer stores two batches at once: one stall of its database is
-    # one warning and one end, whichever of its blocks ends last.
+    # A worker's threads claim at once: one stall of its database is one
+    # warning and one end, whichever of its blocks ends last.
     def block(what: str, source: str, seconds: float) -> threading.Thread:
         def run() -> None:
             with stall_watch(what, after=0.1, source=source):
@@ -118,8 +118,8 @@ def test_blocks_of_one_kind_stalled_together_are_one_stall_said_once_ended_by_th
 
     with caplog.at_level(logging.INFO, logger="webhook_receiver.database"):
         threads = [
-            block("broker batch store", "feed", 0.4),
-            block("broker batch store", "feed", 0.8),
+            block("worker claim", "feed", 0.4),
+            block("worker claim", "feed", 0.8),
             block("broker batch store", "other", 0.4),  # another kind: its own stall
         ]
         for thread in threads:
