@@ -9,8 +9,10 @@ nothing). The two take turns, a block of requests each (the order swapped
 every block), so a change in the machine's load lands on both, and both
 write to the same tables as they grow. Each block of the traced app ends
 with a flush, so its export's CPU is counted in it. Printed: the process's
-CPU time per request over all of each app's blocks, for a new API key and
-a new signed webhook, and the ratio of "on" to "off". The intake's answer
+CPU time per request over all of each app's blocks, for a new API key, a
+new signed webhook and a new broker message (stored in a consumer's batch
+of 200: read, identified, one transaction, the batch's span), and the
+ratio of "on" to "off". The intake's answer
 waits for no export (spans are batched off the request's thread), so CPU
 is what traces take from a worker.
 """
@@ -30,6 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from webhook_receiver.brokers import batch
+from webhook_receiver.brokers.identify import BrokerMessage
+
 from .brokers import database
 from .profile import _sources, _stderr_to_devnull
 from .scenarios import EVENT_BODY, GITHUB_BODY, _github_headers
@@ -39,6 +44,11 @@ from .scenarios import EVENT_BODY, GITHUB_BODY, _github_headers
 # webhooks is one export batch of 256 spans; one of API requests, half one.
 BLOCKS = 12
 BLOCK = 128
+# A broker consumer's batch (bench.brokers' default), and the batches in a
+# block: about as many messages as a block of webhooks is requests, times 25.
+BROKER_BATCH = 200
+BROKER_BLOCK = 16
+BROKER_SOURCE = "bench-queue"
 
 
 class _Collector(BaseHTTPRequestHandler):
@@ -74,10 +84,14 @@ def _app(url: str, provider: Any, migrate: bool) -> Any:
     from webhook_receiver import create_app
 
     token = secrets.token_hex(24)
+    # A RabbitMQ source that is never connected to: its batches are read
+    # and stored as its consumer stores them.
+    queue = {"provider": "rabbitmq", "url": "amqp://127.0.0.1/", "queue": "bench"}
+    sources = {**_sources(), BROKER_SOURCE: queue}
     config: dict[str, Any] = {
         "SECRET_KEY": secrets.token_hex(32),
         "SQLALCHEMY_DATABASE_URI": url,
-        "RECEIVER_CONFIG": {"clients": {"bench": {"token": token}}, "sources": _sources()},
+        "RECEIVER_CONFIG": {"clients": {"bench": {"token": token}}, "sources": sources},
     }
     if provider is not None:
         config["OTEL_TRACER_PROVIDER"] = provider
@@ -101,7 +115,21 @@ def _app(url: str, provider: Any, migrate: bool) -> Any:
             "/webhooks/bench-github", data=GITHUB_BODY, headers=_github_headers(key)
         ).status_code
 
-    return {"api new key": post, "webhook new": deliver}
+    source = app.config["FILE_CONFIG"].brokers[BROKER_SOURCE]
+
+    def consume(key: str) -> int:
+        received = [
+            BrokerMessage(EVENT_BODY, "application/json", properties={"message_id": f"{key}-{n}"})
+            for n in range(BROKER_BATCH)
+        ]
+        with app.app_context():
+            verdicts = batch.store(source, batch.prepare(source, received, lambda raw: raw))
+        return 201 if all(verdict.action == batch.ACK for verdict in verdicts) else 500
+
+    return {"api new key": post, "webhook new": deliver, BROKER_KIND: consume}
+
+
+BROKER_KIND = f"broker message (batches of {BROKER_BATCH})"
 
 
 def _measure(url: str, endpoint: str) -> dict[str, tuple[float, float]]:
@@ -121,17 +149,19 @@ def _measure(url: str, endpoint: str) -> dict[str, tuple[float, float]]:
             # the blocks, collections land where they fall, on both.
             gc.collect()
             cpu = {"off": 0.0, "on": 0.0}
+            # A broker batch is timed per message.
+            count, messages = (BROKER_BLOCK, BROKER_BATCH) if name == BROKER_KIND else (BLOCK, 1)
             for block in range(BLOCKS):
                 order = ("off", "on") if block % 2 == 0 else ("on", "off")
                 for tag in order:
                     send = apps[tag][name]
                     start = time.process_time()
-                    for i in range(BLOCK):
+                    for i in range(count):
                         assert send(f"{tag}-{name}-{block}-{i}") in (200, 201)
                     if tag == "on":
                         provider.force_flush()
                     cpu[tag] += time.process_time() - start
-            per = BLOCKS * BLOCK / 1e6
+            per = BLOCKS * count * messages / 1e6
             result[name] = (cpu["off"] / per, cpu["on"] / per)
     provider.shutdown()
     return result
