@@ -1,10 +1,9 @@
 """The worker's side of the attempt log: timing an attempt, and what it keeps of the answer.
 
 The worker opens :class:`Notes` when an attempt starts, a forward adds what
-the consumer answered, and :func:`record` writes the attempt's row (through
-``outbox.attempts``) in the transaction that records its outcome; or
-:func:`of` gives the row to the one statement that writes it with the
-outcome (PostgreSQL, see the worker).
+the consumer answered, and :func:`of` makes the attempt's row, which the
+worker writes with the outcome (``outbox.attempts``: in the transaction
+that records it, or, on PostgreSQL, in its one statement).
 
 A response body is kept up to its first 2 KB, as text, with what looks
 like a credential replaced by ``[redacted]``: the forward's own secrets
@@ -25,7 +24,6 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..config import ForwardConfig
 from ..events import REDACTED, SECRET_NAME
-from ..outbox import attempts
 from ..outbox.attempts import (
     DELIVERED,
     MAX_RESPONSE_BODY,
@@ -43,7 +41,6 @@ __all__ = [
     "SKIPPED",
     "Notes",
     "of",
-    "record",
     "redact",
     "response_text",
 ]
@@ -71,20 +68,6 @@ class Notes:
         return cls(started_at=now, started=time.monotonic())
 
 
-def record(
-    claim: Claim,
-    notes: Notes | None,
-    now: datetime,
-    outcome: str,
-    *,
-    status: int | None = None,
-    error: str | None = None,
-    worker: str | None = None,
-) -> None:
-    """Add the attempt's row in the current transaction (the outcome's); the caller commits."""
-    attempts.add(of(claim, notes, now, outcome, status=status, error=error, worker=worker))
-
-
 def of(
     claim: Claim,
     notes: Notes | None,
@@ -95,7 +78,7 @@ def of(
     error: str | None = None,
     worker: str | None = None,
 ) -> Attempt:
-    """The attempt's row, ending ``now``: what ``record`` adds, or the outcome's statement."""
+    """The attempt's row, ending ``now``, as the worker writes it (``outbox.attempts``)."""
     if notes is None:
         notes = Notes(started_at=now, started=time.monotonic())
     return Attempt(

@@ -551,15 +551,7 @@ class Worker:
         """
         with self._watch("worker outcome"):
             if self.attempt_log and not is_sqlite():
-                attempt = attempt_log.of(
-                    claim,
-                    getattr(self._local, "notes", None),
-                    self.clock(),
-                    outcome,
-                    status=status,
-                    error=error,
-                    worker=self.name,
-                )
+                attempt = self._attempt(claim, outcome, status=status, error=error)
                 with autocommit_connection() as connection:
                     return attempts.add_with_outcome(connection, attempt, claim, now, values)
             with unit_of_work():
@@ -571,10 +563,16 @@ class Worker:
     ) -> None:
         """Add the attempt's row, in the unit of work that records its outcome."""
         if self.attempt_log:
-            notes = getattr(self._local, "notes", None)
-            attempt_log.record(
-                claim, notes, self.clock(), outcome, status=status, error=error, worker=self.name
-            )
+            attempts.add(self._attempt(claim, outcome, status=status, error=error))
+
+    def _attempt(
+        self, claim: Claim, outcome: str, *, status: int | None, error: str | None
+    ) -> attempts.Attempt:
+        """The attempt's row, ending now, with what this thread noted of its call."""
+        notes = getattr(self._local, "notes", None)
+        return attempt_log.of(
+            claim, notes, self.clock(), outcome, status=status, error=error, worker=self.name
+        )
 
     # -- observability --------------------------------------------------------
 
