@@ -234,8 +234,8 @@ def stall_watch(what: str, after: float | None = None, **fields: Any) -> Iterato
     ends, one INFO line with how long it took. Blocks of one kind (the same
     ``what`` and ``fields``) that stall together, as a worker's threads'
     claims do, are one stall: said once, and ended by the last. The
-    block's exceptions pass through untouched. Costs two lock round trips when nothing stalls: one
-    watchdog thread per process times every block.
+    block's exceptions pass through untouched. Costs two lock round trips
+    when nothing stalls: one watchdog thread per process times every block.
     """
     if after is None:
         after = _stall_warning_seconds()

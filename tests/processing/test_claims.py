@@ -87,7 +87,7 @@ def test_requeue_puts_a_dead_delivery_back_with_a_whole_budget(make_app, clock):
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
         claim = claim_next(clock(), LEASE)
-        assert deliveries.mark_dead(claim, clock(), "HTTP 400", 400)
+        assert deliveries.finish(claim, clock(), deliveries.dead_values(clock(), "HTTP 400", 400))
         db.session.commit()
         assert claim_next(clock(), LEASE) is None
         clock.advance(60)
@@ -132,7 +132,9 @@ def test_a_discarded_delivery_is_never_claimed_again(make_app, clock):
     event_id = store_event(app, clock, dedup_key="evt-1")
     with app.app_context():
         claim = claim_next(clock(), LEASE)
-        assert deliveries.mark_dead(claim, clock(), "consumer 'billing' is gone", None)
+        assert deliveries.finish(
+            claim, clock(), deliveries.dead_values(clock(), "consumer 'billing' is gone", None)
+        )
         db.session.commit()
         clock.advance(60)
         discarded = deliveries.discard([claim.id], clock())
@@ -163,7 +165,8 @@ def test_discard_moves_dead_ones_only(make_app, clock):
         second = claim_next(clock(), LEASE)
         assert (first.event_id, second.event_id) == (pending_id, claimed_id)
         # The first goes back to pending after a failure, the third is delivered.
-        deliveries.mark_retry(first, clock(), clock() + timedelta(minutes=1), "HTTP 503", 503)
+        retry = deliveries.retry_values(clock() + timedelta(minutes=1), "HTTP 503", 503)
+        deliveries.finish(first, clock(), retry)
         third = claim_next(clock(), LEASE)
         deliveries.mark_delivered(third, clock(), 200)
         db.session.commit()

@@ -322,24 +322,13 @@ def finish(claim: Claim, now: datetime, values: dict[str, Any]) -> bool:
     ``values`` come from ``delivered_values``, ``retry_values`` or
     ``dead_values``. The caller commits.
     """
-    return _finish(claim, now, **values)
+    statement = finished_update(tuple(values))
+    return db.session.execute(statement, finish_parameters(claim, now, values)).first() is not None
 
 
 def mark_delivered(claim: Claim, now: datetime, status: int | None = None) -> bool:
     """Mark the delivery done (the caller commits); False if the lease was lost."""
     return finish(claim, now, delivered_values(now, status))
-
-
-def mark_retry(
-    claim: Claim, now: datetime, next_attempt_at: datetime, error: str, status: int | None
-) -> bool:
-    """Record a failed attempt and when to try again; False if the lease was lost."""
-    return finish(claim, now, retry_values(next_attempt_at, error, status))
-
-
-def mark_dead(claim: Claim, now: datetime, error: str, status: int | None) -> bool:
-    """Give up on the delivery until an operator requeues it; False if the lease was lost."""
-    return finish(claim, now, dead_values(now, error, status))
 
 
 def finish_parameters(claim: Claim, now: datetime, values: dict[str, Any]) -> dict[str, Any]:
@@ -355,9 +344,9 @@ def finish_parameters(claim: Claim, now: datetime, values: dict[str, Any]) -> di
 def finished_update(columns: tuple[str, ...]) -> Any:
     """The fenced UPDATE of an outcome setting ``columns``, RETURNING the id when it held.
 
-    Built once per shape, with bind parameters (``finish_parameters``): for
-    a statement that writes the outcome with more (the attempt's row, in
-    ``outbox/attempts.py``). Fenced as ``finish`` is.
+    Built once per shape, with bind parameters (``finish_parameters``):
+    ``finish`` runs it, and a statement that writes the outcome with more
+    (the attempt's row, in ``outbox/attempts.py``) holds it as a CTE.
     """
     return (
         update(_t)
