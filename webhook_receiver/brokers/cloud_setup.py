@@ -111,15 +111,8 @@ def _aws_error(exc: botocore.exceptions.ClientError, field: str) -> Any:
     return exc.response.get("Error", {}).get(field)
 
 
-def publish_sqs(
-    source: BrokerSourceConfig,
-    body: bytes,
-    key: str | None,
-    event_type: str | None,
-    content_type: str | None,
-) -> str:
+def publish_sqs(source: BrokerSourceConfig, body: bytes, placed: Placed) -> str:
     """Send one message to the source's queue; the line to print (its MessageId)."""
-    placed = _place(source, body, key, event_type, content_type)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -206,15 +199,8 @@ def _created_or_exists(shown: str, create: Callable[[], object]) -> str:
         return f"{shown}: exists"
 
 
-def publish_pubsub(
-    source: BrokerSourceConfig,
-    body: bytes,
-    key: str | None,
-    event_type: str | None,
-    content_type: str | None,
-) -> str:
+def publish_pubsub(source: BrokerSourceConfig, body: bytes, placed: Placed) -> str:
     """Publish one message to the subscription's topic; the line to print (its message id)."""
-    placed = _place(source, body, key, event_type, content_type)
     with _pubsub_clients(source) as (publisher, subscriber):
         try:
             topic = subscriber.get_subscription(subscription=source.subscription, timeout=10).topic
@@ -254,7 +240,7 @@ def key_and_type_specs(
         yield name, spec, value, kind, arg, "--key" if name == "dedup_key" else "--type"
 
 
-class _Placed:
+class Placed:
     """A message's attributes, and where its key and type travel, for the command's line."""
 
     def __init__(self) -> None:
@@ -270,15 +256,15 @@ class _Placed:
         return ", ".join(parts) or "no key or type set"
 
 
-def _place(
+def place(
     source: BrokerSourceConfig,
     body: bytes,
     key: str | None,
     event_type: str | None,
     content_type: str | None,
-) -> _Placed:
+) -> Placed:
     """Where the source's specs read the key and type; UsageError for what cannot be placed."""
-    placed = _Placed()
+    placed = Placed()
     parsed, is_json, content_type = read_body(body, content_type)
     if content_type:
         placed.attributes["content-type"] = content_type

@@ -42,6 +42,7 @@ from .cloud_setup import (
     declare_pubsub,
     declare_sqs,
     key_and_type_specs,
+    place,
     publish_pubsub,
     publish_sqs,
     read_body,
@@ -157,7 +158,8 @@ def publish_command(
     data = body.encode()
     cloud = {"sqs": publish_sqs, "pubsub": publish_pubsub}.get(source.provider)
     if cloud is not None:  # a message_id key is the broker's to give: their own placing
-        click.echo(f"{source.name}: {cloud(source, data, key, event_type, content_type)}")
+        placed = place(source, data, key, event_type, content_type)
+        click.echo(f"{source.name}: {cloud(source, data, placed)}")
         return
     message = _message(source, data, key, event_type, content_type)
     if source.provider == "rabbitmq":
