@@ -180,3 +180,28 @@ def _refusing_attempt_rows() -> Iterator[None]:
                     else "ALTER TABLE delivery_attempts DROP CONSTRAINT no_rows"
                 )
             )
+
+
+@pytest.mark.parametrize("log", [True, False], ids=["logged", "log_off"])
+def test_an_answer_holding_a_nul_character_is_recorded_all_the_same(
+    make_app, downstream, clock, make_worker, log
+):
+    # PostgreSQL's text refuses NUL: an answer's body (or the error quoting
+    # it) that holds one failed the outcome's write, so a 2xx was sent again
+    # at each lease's end until it went dead. Both databases store U+FFFD.
+    app = make_app(
+        config_with([forward("billing", downstream.url + "/billing")]),
+        **FAST,
+        WORKER_ATTEMPT_LOG=log,
+    )
+    downstream.replies["/billing"] = [Reply(500, body=b"down\x00now"), Reply(200, body=b"ok\x00")]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    worker = make_worker(app, clock)
+    assert drain(app, worker) == ["retry"]
+    assert delivery(app, event_id, "billing")["last_error"] == "HTTP 500: down\ufffdnow"
+    clock.advance(3600)
+    assert drain(app, worker) == ["delivered"]
+    assert delivery(app, event_id, "billing")["state"] == "delivered"
+    assert len(downstream.calls_to("/billing")) == 2
+    expected = [("HTTP 500: down\ufffdnow", "down\ufffdnow"), (None, "ok\ufffd")] if log else []
+    assert [(r["error"], r["response_body"]) for r in attempt_rows(app)] == expected

@@ -149,7 +149,7 @@ def _insert_with_outcome(columns: tuple[str, ...]) -> Any:
 
 
 def _clip(text: str | None, size: int) -> str | None:
-    return None if text is None else text[:size]
+    return None if text is None else deliveries.storable(text, size)
 
 
 @dataclass(frozen=True)

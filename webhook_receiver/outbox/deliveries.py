@@ -296,12 +296,22 @@ def delivered_values(now: datetime, status: int | None = None) -> dict[str, Any]
     return {"state": DELIVERED, "response_status": status, "last_error": None, "completed_at": now}
 
 
+def storable(text: str, size: int) -> str:
+    """``text`` cut at ``size`` characters, a NUL character replaced (U+FFFD).
+
+    PostgreSQL's text refuses NUL, and an answer's body or an error quoting
+    it may hold one: the outcome must still be written (on both databases
+    the same).
+    """
+    return text[:size].replace("\x00", "\ufffd")
+
+
 def retry_values(next_attempt_at: datetime, error: str, status: int | None) -> dict[str, Any]:
     """The columns a failed attempt to be tried again sets (with ``finish``)."""
     return {
         "state": PENDING,
         "next_attempt_at": next_attempt_at,
-        "last_error": error[:MAX_ERROR],
+        "last_error": storable(error, MAX_ERROR),
         "response_status": status,
     }
 
@@ -310,7 +320,7 @@ def dead_values(now: datetime, error: str, status: int | None) -> dict[str, Any]
     """The columns of giving up until an operator requeues it (with ``finish``)."""
     return {
         "state": DEAD,
-        "last_error": error[:MAX_ERROR],
+        "last_error": storable(error, MAX_ERROR),
         "response_status": status,
         "completed_at": now,
     }
