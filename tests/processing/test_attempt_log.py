@@ -285,3 +285,33 @@ def test_attempts_are_purged_with_their_event(make_app, downstream, clock, make_
         assert db.session.get(Event, old) is None
     [row] = attempt_rows(app)
     assert row["delivery_id"] == delivery(app, kept, "billing")["id"]
+
+
+def test_an_error_quoting_the_answer_keeps_its_credentials_out_everywhere(
+    make_app, downstream, clock, make_worker
+):
+    """A failed answer's text is redacted once, where the error is made: the
+    delivery's last error (the admin shows it) and the attempt row are the same."""
+    secret = "whsec_" + "c2lnbmluZy1zZWNyZXQtMDEyMzQ1Njc4OWFi"
+    app = _app(
+        make_app,
+        forward(
+            "billing",
+            downstream.url + "/billing?token=query-secret-value",
+            signing_secret=secret,
+        ),
+    )
+    answer = json.dumps(
+        {"error": "refused", "api_key": "key-0123456789abcdef", "echo": secret}
+    ).encode()
+    downstream.replies["/billing?token=query-secret-value"] = [Reply(500, body=answer)]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    last_error = delivery(app, event_id, "billing")["last_error"]
+    [row] = attempt_rows(app)
+    for stored in (last_error, row["error"]):
+        assert stored.startswith('HTTP 500: {"error": "refused"')
+        for leaked in ("key-0123456789abcdef", secret, "query-secret-value"):
+            assert leaked not in stored
+        assert '"api_key": "[redacted]"' in stored
+    assert last_error == row["error"]

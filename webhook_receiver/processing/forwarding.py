@@ -124,10 +124,10 @@ def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Ou
             stream=True,
         )
     except requests.Timeout as exc:
-        return Result(ok=False, retryable=True, error=_without_query(f"timeout: {exc}", forward))
+        return Result(ok=False, retryable=True, error=_stored_error(f"timeout: {exc}", forward))
     except requests.RequestException as exc:
         error = f"{type(exc).__name__}: {exc}"
-        return Result(ok=False, retryable=True, error=_without_query(error, forward))
+        return Result(ok=False, retryable=True, error=_stored_error(error, forward))
     with response:
         status = response.status_code
         snippet = _read_some(response)
@@ -135,7 +135,9 @@ def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Ou
     kept = attempts.response_text(snippet, forward)
     if 200 <= status < 300:
         return Result(ok=True, retryable=False, status=status, response_body=kept)
-    text = snippet.decode("utf-8", "replace").strip()
+    # Redacted before it is cut, as the kept body is (a secret cut in two
+    # is still found).
+    text = _stored_error(snippet.decode("utf-8", "replace").strip(), forward)
     error = f"HTTP {status}" + (f": {text[:500]}" if text else "")
     return Result(
         ok=False,
@@ -162,9 +164,9 @@ def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
     try:
         publishers.publish(forward, message)
     except publishers.PublishRefused as exc:
-        return Result(ok=False, retryable=False, error=str(exc))
+        return Result(ok=False, retryable=False, error=_stored_error(str(exc), forward))
     except publishers.PublishError as exc:
-        return Result(ok=False, retryable=True, error=str(exc))
+        return Result(ok=False, retryable=True, error=_stored_error(str(exc), forward))
     return Result(ok=True, retryable=False, confirmation=f"{forward.scheme}: publish confirmed")
 
 
@@ -215,10 +217,17 @@ def _read_some(response: requests.Response) -> bytes:
     return b"".join(chunks)[:MAX_BODY_READ]
 
 
-def _without_query(error: str, forward: ForwardConfig) -> str:
-    """Keep a forward URL's query (where tokens travel) out of stored errors and logs."""
+def _stored_error(error: str, forward: ForwardConfig) -> str:
+    """An attempt's error as every place keeps it, credentials redacted.
+
+    Made once, here: the delivery's last error (the admin shows it), the
+    attempt log, the worker's log line and the trace's span all get this
+    text. The forward URL's query (where tokens travel) goes whole, then
+    what looks like a credential in an answer quoted (attempts.redact, with
+    the forward's own secrets).
+    """
     parts = urlsplit(forward.url)
     if parts.query:
         error = error.replace("?" + parts.query, "?[redacted]")
         error = error.replace(parts.query, "[redacted]")
-    return error
+    return attempts.redact(error, forward)
