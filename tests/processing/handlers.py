@@ -23,12 +23,15 @@ ledger = Table(
 # Set by tests: how many of the next calls of a handler fail after writing.
 failures: dict[str, int] = {}
 permanent: set[str] = set()
+# Set by tests: the message of a handler's failure, when not "<name> is down".
+failure_messages: dict[str, str] = {}
 calls: list[tuple[str, int]] = []
 
 
 def reset() -> None:
     failures.clear()
     permanent.clear()
+    failure_messages.clear()
     calls.clear()
 
 
@@ -39,7 +42,7 @@ def _apply(name: str, event: Any, session: Any) -> None:
         raise PermanentFailure(f"{name} refuses event {event.id}")
     if failures.get(name, 0) > 0:
         failures[name] -= 1
-        raise RuntimeError(f"{name} is down")
+        raise RuntimeError(failure_messages.get(name, f"{name} is down"))
 
 
 @handler(source="shop", event_type="order.paid", name="ledger")

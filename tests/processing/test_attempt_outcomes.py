@@ -21,6 +21,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery
 from webhook_receiver.outbox import deliveries
 
+from . import handlers as test_handlers
 from .conftest import FAST, Reply, config_with, delivery, drain, forward, store_event
 from .test_attempt_log import attempt_rows
 
@@ -205,3 +206,27 @@ def test_an_answer_holding_a_nul_character_is_recorded_all_the_same(
     assert len(downstream.calls_to("/billing")) == 2
     expected = [("HTTP 500: down\ufffdnow", "down\ufffdnow"), (None, "ok\ufffd")] if log else []
     assert [(r["error"], r["response_body"]) for r in attempt_rows(app)] == expected
+
+
+@pytest.mark.parametrize("log", [True, False], ids=["log", "no-log"])
+def test_a_handler_error_not_encodable_as_utf8_is_recorded_all_the_same(
+    make_app, clock, make_worker, ledger, log
+):
+    # A handler's exception message is the user's text: one holding a lone
+    # surrogate (half of a UTF-16 pair, from a badly decoded payload, say)
+    # cannot be encoded for either database, and the outcome's write failed
+    # on every lease's end. Stored with the character replaced, it retries.
+    app = make_app(config_with(handlers=True), **FAST, WORKER_ATTEMPT_LOG=log)
+    ledger(app)
+    test_handlers.failures["ledger"] = 1
+    test_handlers.failure_messages["ledger"] = "ledger refused \ud800 in the payload"
+    event_id = store_event(app, clock, dedup_key="evt-1", event_type="order.paid")
+    worker = make_worker(app, clock)
+    assert sorted(drain(app, worker)) == ["delivered", "retry"]
+    expected = "RuntimeError: ledger refused ? in the payload"
+    assert delivery(app, event_id, "ledger")["last_error"] == expected
+    clock.advance(3600)
+    assert drain(app, worker) == ["delivered"]
+    assert delivery(app, event_id, "ledger")["state"] == "delivered"
+    errors = [r["error"] for r in attempt_rows(app) if r["error"] is not None]
+    assert errors == ([expected] if log else [])

@@ -297,13 +297,17 @@ def delivered_values(now: datetime, status: int | None = None) -> dict[str, Any]
 
 
 def storable(text: str, size: int) -> str:
-    """``text`` cut at ``size`` characters, a NUL character replaced (U+FFFD).
+    """``text`` cut at ``size`` characters, a NUL character replaced (U+FFFD), a lone surrogate "?".
 
     PostgreSQL's text refuses NUL, and an answer's body or an error quoting
-    it may hold one: the outcome must still be written (on both databases
-    the same).
+    it may hold one; neither database can encode a lone surrogate (half of
+    a UTF-16 pair), which a handler's exception message may hold. The
+    outcome must still be written (on both databases the same).
     """
-    return text[:size].replace("\x00", "\ufffd")
+    text = text[:size].replace("\x00", "\ufffd")
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def retry_values(next_attempt_at: datetime, error: str, status: int | None) -> dict[str, Any]:
