@@ -322,3 +322,33 @@ def test_a_forward_to_a_redis_that_does_not_answer_is_a_retryable_failure():
     with pytest.raises(publishers.PublishError) as failed:
         publishers.publish(forward, FORWARDED)
     assert "secret" not in str(failed.value)
+
+
+def test_an_entry_deleted_while_pending_with_the_consumer_is_no_event(make_app, redis_stream):
+    # The consumer read an entry and lost Redis before its XACK; meanwhile the
+    # entry was deleted (XDEL, or trimmed). Read again from its own pending
+    # entries (XREADGROUP from 0), it comes back with no fields: not an event
+    # of the whole (empty) entry, nor a spurious conflict, but a dead letter
+    # with nothing left to copy.
+    table = redis_source(redis_stream, body_field="", dedup_key="id", event_type="json:/kind")
+    app = make_app({"sources": {SOURCE: table}})
+    stop_flag = threading.Event()
+    consumer = runner.consumer_for(app, app.config["FILE_CONFIG"].brokers[SOURCE], stop_flag)
+    redis_stream.publish([{"kind": "ping", "n": "1"}])
+    client = redis_stream.client()
+    [(gone, _)] = client.xrange(redis_stream.name)
+    client.xreadgroup(GROUP, consumer.name, {redis_stream.name: ">"})  # type: ignore[attr-defined]
+    client.xdel(redis_stream.name, gone)
+    redis_stream.publish([{"kind": "ping", "n": "2"}])
+    thread = threading.Thread(target=consumer.run)
+    thread.start()
+    try:
+        assert wait_until(lambda: count_events(app) >= 1 and redis_stream.unsettled() == 0, 30)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "payload-invalid") == 1, 10)
+    finally:
+        stop_flag.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    [event] = _events(app)
+    assert json.loads(event.body) == {"kind": "ping", "n": "2"}
+    assert redis_stream.dead_letters() == []

@@ -213,7 +213,9 @@ class RedisStreamConsumer(batch.Consumer):
         reply = client.xreadgroup(
             self.group, self.name, {self.stream: self._history}, count=self.source.batch
         )
-        entries = [Entry(i, f, 0) for _, found in reply or [] for i, f in found]
+        # An entry deleted from the stream since it was read comes back with
+        # no fields (redis-py makes its nil an empty dict): None, as such.
+        entries = [Entry(i, f or None, 0) for _, found in reply or [] for i, f in found]
         if not entries:
             self._history = None
             return []
