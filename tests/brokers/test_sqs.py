@@ -360,3 +360,22 @@ def test_arbitrary_bodies_and_attributes_never_stop_the_consumer(make_app, sqs_q
 def _settled(app: Any) -> float:
     """Messages stored, counted as duplicates (an example may repeat one) or dead-lettered."""
     return _settled_total(app, SOURCE) + duplicate_total(app)
+
+
+def test_dead_letters_too_large_for_one_send_message_batch_are_sent_all_the_same(
+    make_app, sqs_queue: SqsQueue
+):
+    # Four poison messages of 300 KB: each one SQS takes, but not the four in
+    # one SendMessageBatch (its total is capped as one message is, 1 MiB).
+    # Sent in one call, the copies were refused together and retried so, for
+    # ever: none reached the dead-letter queue.
+    big = [_entry(None, json.dumps({"n": n, "pad": "x" * 300_000}).encode()) for n in range(4)]
+    for entry in big:
+        sqs_queue.send([entry])
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue, batch=10)}})
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: sqs_queue.counts(sqs_queue.dead_url)[0] == 4, 20)
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 10)
+    dead = sqs_queue.receive_all(sqs_queue.dead_url)
+    assert sorted(d["Body"] for d in dead) == sorted(e["MessageBody"] for e in big)
+    assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 4

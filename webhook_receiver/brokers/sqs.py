@@ -44,6 +44,9 @@ PER_CALL = 10
 # The attribute a dead letter carries its reason in (and SQS's most per message).
 DEAD_LETTER_REASON = "dead-letter-reason"
 MAX_ATTRIBUTES = 10
+# The most a SendMessageBatch's messages may hold together (SQS refuses the
+# whole call past it: 256 KiB on queues of old, 1 MiB since 2025).
+SEND_BATCH_BYTES = 256 * 1024
 # How long a message whose dead-letter copy could not be sent stays hidden
 # before it comes back (to be dead-lettered again).
 DEAD_LETTER_RETRY_SECONDS = 5
@@ -186,8 +189,7 @@ class SqsConsumer(PulledConsumer):
         url = self.source.dead_letter_queue_url
         sent: list[tuple[Raw, batch.Verdict]] = []
         failed: list[Raw] = []
-        for start in range(0, len(dead), PER_CALL):
-            chunk = dead[start : start + PER_CALL]
+        for chunk in _send_batches(dead):
             entries = [
                 _copy(str(n), raw, verdict, url or "") for n, (raw, verdict) in enumerate(chunk)
             ]
@@ -217,6 +219,35 @@ class SqsConsumer(PulledConsumer):
                 else:
                     sent.append((raw, verdict))
         return sent, failed
+
+
+def _send_batches(
+    dead: list[tuple[Raw, batch.Verdict]],
+) -> list[list[tuple[Raw, batch.Verdict]]]:
+    """``dead`` cut into SendMessageBatch calls: 10 at most, within SEND_BATCH_BYTES together.
+
+    SQS refuses a whole call whose messages hold more; one larger message goes alone.
+    """
+    chunks: list[list[tuple[Raw, batch.Verdict]]] = []
+    size = 0
+    for raw, verdict in dead:
+        length = _size(raw)
+        if not chunks or len(chunks[-1]) == PER_CALL or size + length > SEND_BATCH_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((raw, verdict))
+        size += length
+    return chunks
+
+
+def _size(raw: Raw) -> int:
+    """A copy's size as SQS counts it: the body, each attribute's name, type and value."""
+    size = len(raw["Body"].encode("utf-8")) + len(DEAD_LETTER_REASON) + 64
+    for name, value in (raw.get("MessageAttributes") or {}).items():
+        data = value.get("StringValue")
+        data = data.encode("utf-8") if data is not None else value.get("BinaryValue", b"")
+        size += len(name.encode("utf-8")) + len(value.get("DataType", "")) + len(data)
+    return size
 
 
 def _copy(entry_id: str, raw: Raw, verdict: batch.Verdict, url: str) -> dict[str, Any]:
