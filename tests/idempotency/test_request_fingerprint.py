@@ -5,7 +5,7 @@ from __future__ import annotations
 from webhook_receiver.models import IdempotencyRecord
 
 from ..conftest import bearer
-from ..helpers import count
+from ..helpers import count, post_event
 from .test_idempotent import make_test_blueprint
 
 
@@ -20,3 +20,18 @@ def test_same_key_and_body_on_two_idempotent_paths_is_a_mismatch(make_app) -> No
     assert other.status_code == 422, other.get_data(as_text=True)
     assert other.get_json()["type"] == "/problems/idempotency-key-reused"
     assert count(app, IdempotencyRecord) == 1
+
+
+def test_queries_that_differ_in_bytes_that_are_not_utf8_are_a_mismatch(app, client) -> None:
+    # %FF and %FE are different bytes, and request.args keeps them apart
+    # ('%FF', '%FE'); decoded as UTF-8 both were U+FFFD, one fingerprint.
+    first = post_event(client, key="q-key", path="/api/events?tag=%FF")
+    assert first.status_code == 201, first.get_data(as_text=True)
+    other = post_event(client, key="q-key", path="/api/events?tag=%FE")
+    assert other.status_code == 422, other.get_data(as_text=True)
+    assert other.get_json()["type"] == "/problems/idempotency-key-reused"
+    # The same bytes, whatever the case of the escape, are the same request.
+    again = post_event(client, key="q-key", path="/api/events?tag=%ff")
+    assert again.status_code == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert count(app) == 1

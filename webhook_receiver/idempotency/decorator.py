@@ -77,7 +77,11 @@ def request_fingerprint() -> str:
             request.environ[JSON_BODY] = (document, body)
         except JSONError:
             pass  # not JSON after all: the raw bytes are the content
-    query = urlencode(sorted(parse_qsl(request.query_string.decode("latin-1"), True)))
+    # Byte for byte (latin-1 both ways): an escape that is not UTF-8 (%FF,
+    # %FE) keeps its byte, as request.args keeps it, where UTF-8 made
+    # them all U+FFFD. A UTF-8 query comes out as it did.
+    pairs = parse_qsl(request.query_string.decode("latin-1"), True, encoding="latin-1")
+    query = urlencode(sorted(pairs), encoding="latin-1")
     return fingerprint([request.method, request.path, query, body])
 
 
