@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import traceback
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text
 
 from webhook_receiver import create_app
 from webhook_receiver.config import ConfigError
@@ -24,7 +25,7 @@ from webhook_receiver.models import (
     utcnow,
 )
 from webhook_receiver.outbox import deliveries
-from webhook_receiver.retention import purge
+from webhook_receiver.retention import PurgeReport, purge
 
 from .conftest import CLIENTS, SECRET_KEY
 from .helpers import count, event_row
@@ -283,3 +284,71 @@ def test_start_up_refuses_retention_shorter_than_redelivery(tmp_path, days):
     assert create_app({**config, "FORCE_SHORT_RETENTION": True}).config["FILE_CONFIG"]
     # Three days, the providers' redelivery window, is allowed.
     create_app({**config, "RECEIVER_CONFIG": {"sources": {"short": SOURCES["short"]}}})
+
+
+def _purge_while_a_write_waits(app, write: str, params: dict) -> PurgeReport:
+    """Run ``write`` uncommitted on another connection, purge meanwhile, then commit it.
+
+    The purge's DELETE waits on the row that the write holds; the write
+    commits once it does, as a replay or a takeover committing while the
+    purge runs.
+    """
+    report: list[PurgeReport] = []
+
+    def run_purge() -> None:
+        with app.app_context():
+            report.append(purge(utcnow(), 10))
+
+    with db.engine.connect() as writer, db.engine.connect() as watcher:
+        writer.execute(text(write), params)  # in its transaction: not committed
+        thread = threading.Thread(target=run_purge)
+        thread.start()
+        waited = False
+        for _ in range(200):
+            waited = bool(
+                watcher.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND datname = current_database()"
+                    )
+                ).scalar()
+            )
+            if waited:
+                break
+            watcher.rollback()
+            thread.join(0.05)
+        writer.commit()
+        thread.join(30)
+    assert waited and not thread.is_alive() and report
+    return report[0]
+
+
+def test_a_purge_keeps_an_idempotency_record_taken_over_while_it_waited(app):
+    # An expired record is taken over (the same row, a new claim and
+    # expiry) while the purge's DELETE waits on it: the DELETE checks the
+    # expiry again on the row it would delete, and leaves the live claim.
+    with app.app_context():
+        if db.engine.dialect.name == "sqlite":
+            pytest.skip("SQLite has one writer at a time: nothing commits while the purge waits")
+        now = utcnow()
+        db.session.add(
+            IdempotencyRecord(
+                client="acme",
+                key="k",
+                fingerprint="f" * 64,
+                method="POST",
+                path="/api/events",
+                state="completed",
+                created_at=now - timedelta(days=2),
+                expires_at=now - timedelta(seconds=1),
+            )
+        )
+        db.session.commit()
+        report = _purge_while_a_write_waits(
+            app,
+            "UPDATE idempotency_records SET state = 'in_progress', expires_at = :later "
+            "WHERE key = 'k'",
+            {"later": now + timedelta(days=1)},
+        )
+        assert report.idempotency_records == 0
+        assert db.session.scalars(select(IdempotencyRecord.state)).all() == ["in_progress"]

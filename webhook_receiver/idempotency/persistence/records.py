@@ -370,7 +370,12 @@ def purge_expired_batch(now: datetime, batch_size: int) -> int:
     # Session.execute is typed for any statement; a DELETE gives a CursorResult.
     result = cast(
         CursorResult[Any],
-        db.session.execute(delete(_t).where(_t.c.id.in_(ids.scalar_subquery()))),
+        # The expiry is checked again on the row deleted: on PostgreSQL a
+        # record taken over (the same row, a new expiry) while the DELETE
+        # waited on it matches the subquery's snapshot, and must stay.
+        db.session.execute(
+            delete(_t).where(_t.c.id.in_(ids.scalar_subquery()), _t.c.expires_at <= now)
+        ),
     )
     return result.rowcount
 
