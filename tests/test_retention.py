@@ -352,3 +352,21 @@ def test_a_purge_keeps_an_idempotency_record_taken_over_while_it_waited(app):
         )
         assert report.idempotency_records == 0
         assert db.session.scalars(select(IdempotencyRecord.state)).all() == ["in_progress"]
+
+
+def test_a_purge_keeps_an_event_replayed_while_it_waited(app):
+    # An old event's delivered delivery is set pending again (a replay)
+    # while the purge's DELETE of the event waits on it: the event and its
+    # pending delivery stay.
+    with app.app_context():
+        if db.engine.dialect.name == "sqlite":
+            pytest.skip("SQLite has one writer at a time: nothing commits while the purge waits")
+        event_id = add_event("short", 10, ("delivered",))
+        report = _purge_while_a_write_waits(
+            app,
+            "UPDATE deliveries SET state = 'pending' WHERE event_id = :event_id",
+            {"event_id": event_id},
+        )
+        assert (report.events, report.events_kept) == (0, 0)
+        assert surviving_ids() == {event_id}
+        assert db.session.scalars(select(Delivery.state)).all() == ["pending"]

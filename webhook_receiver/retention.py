@@ -21,6 +21,7 @@ per batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -32,7 +33,7 @@ from sqlalchemy import CursorResult, Table, and_, delete, exists, false, not_, o
 from sqlalchemy.sql.elements import ColumnElement
 
 from .config import FileConfig
-from .database import end_read, unit_of_work
+from .database import end_read, is_sqlite, unit_of_work
 from .extensions import db
 from .idempotency.persistence import records
 from .models import AdminLoginFailure, Delivery, Event, Rejection
@@ -76,6 +77,16 @@ def _unfinished_delivery(event_id: Any) -> ColumnElement[bool]:
     )
 
 
+def _lock_deliveries(event_ids: list[int]) -> Any:
+    """Lock the deliveries of these events, in id order, waiting for any write to them."""
+    return (
+        select(_deliveries.c.id)
+        .where(_deliveries.c.event_id.in_(event_ids))
+        .order_by(_deliveries.c.id)
+        .with_for_update()
+    )
+
+
 def _scopes(
     column: Any, now: datetime, config: dict[str, Any], *, with_clients: bool
 ) -> list[_Scope]:
@@ -115,6 +126,7 @@ def _purge_scope(
     batch_size: int,
     *,
     blocked: ColumnElement[bool] | None = None,
+    lock_first: Callable[[list[int]], Any] | None = None,
 ) -> tuple[int, int]:
     """Delete the scope's rows older than its cutoff; return (deleted, kept)."""
     deleted = kept = 0
@@ -146,6 +158,13 @@ def _purge_scope(
             # Each batch is its own unit of work: a long purge never holds
             # the write lock for more than one batch.
             with unit_of_work() as session:
+                if lock_first is not None and not is_sqlite():
+                    # PostgreSQL: the DELETE's check reads its snapshot, so a
+                    # delivery set pending by a replay that commits while the
+                    # DELETE waits on it would go with its event. Locked
+                    # first, such a replay has committed before the DELETE
+                    # starts, and its snapshot sees it.
+                    session.execute(lock_first(ids))
                 # A DELETE's result is a CursorResult; Session.execute is typed wider.
                 deleted += cast(CursorResult[Any], session.execute(statement)).rowcount
         if len(rows) < batch_size:
@@ -162,7 +181,12 @@ def purge(now: datetime, batch_size: int) -> PurgeReport:
     unfinished = _unfinished_delivery(_events.c.id)
     for scope in _scopes(_events.c.source, now, config, with_clients=True):
         deleted, kept = _purge_scope(
-            _events, _events.c.received_at, scope, batch_size, blocked=unfinished
+            _events,
+            _events.c.received_at,
+            scope,
+            batch_size,
+            blocked=unfinished,
+            lock_first=_lock_deliveries,
         )
         report.events += deleted
         report.events_kept += kept
