@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import uuid
 
 import pytest
@@ -26,8 +27,16 @@ from webhook_receiver.processing import publishers
 from ..helpers import rows
 from ..helpers.brokers import FORWARDED, assert_forwarded, run_worked_example
 from . import worked_examples
-from .conftest import consuming, count_events, start_consume, stop, wait_until
+from .conftest import (
+    consuming,
+    count_events,
+    dead_letter_count,
+    start_consume,
+    stop,
+    wait_until,
+)
 from .mqtt_fixtures import MqttTopics, mqtt_source
+from .mqtt_fixtures import client as mqtt_client
 from .running import hold_writers, key_counts, log_tail, terminate, toml
 
 SOURCE = "devices"
@@ -186,3 +195,39 @@ def test_a_forward_to_a_broker_that_does_not_answer_is_a_retryable_failure():
     with pytest.raises(publishers.PublishError) as failed:
         publishers.publish(forward, FORWARDED)
     assert "secret" not in str(failed.value)
+
+
+def test_a_dead_letter_no_session_subscribes_to_is_not_acknowledged_away(make_app, mqtt_topics):
+    # The broker answers a copy to a topic nobody subscribes to with PUBACK
+    # 0x10 (no matching subscribers) and keeps nothing: the original must not
+    # be acknowledged then, or it is lost. It comes again on the next
+    # connection, and is dead-lettered once a session takes the topic.
+    nobody = f"{mqtt_topics.prefix}-nobody/events"
+    app = make_app({"sources": {SOURCE: mqtt_source(mqtt_topics, dead_letter_topic=nobody)}})
+    level, body, props = _message(1)
+    mqtt_topics.publish([(level, body, props), ("sensor-8", b'{"no": "key"}', [])])
+    got: list[tuple[bytes, dict[str, str]]] = []
+    reader = mqtt_client(f"{mqtt_topics.prefix}-nobody-reader")
+    reader.on_message = lambda _c, _u, m: got.append(
+        (m.payload, dict(getattr(m.properties, "UserProperty", []) or []))
+    )
+    subscribed = threading.Event()
+    reader.on_subscribe = lambda *_args: subscribed.set()
+    try:
+        with consuming(app, SOURCE):
+            assert wait_until(lambda: count_events(app) == 1, 30)
+            # Not acknowledged: the broker sends it again on the consumer's next connection.
+            assert wait_until(lambda: mqtt_topics.sent(redelivered=True) >= 1, 15)
+            assert got == []
+            reader.connect("127.0.0.1", mqtt_topics.broker.port)
+            reader.loop_start()
+            reader.subscribe(nobody, qos=1)
+            assert subscribed.wait(10)
+            assert wait_until(lambda: len(got) == 1, 30)
+            assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    finally:
+        reader.disconnect()
+        reader.loop_stop()
+    [(payload, properties)] = got
+    assert payload == b'{"no": "key"}' and properties["dead-letter-reason"] == "dedup-key-missing"
+    assert count_events(app) == 1

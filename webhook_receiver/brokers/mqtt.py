@@ -62,6 +62,8 @@ KEEPALIVE_SECONDS = 30
 SESSION_EXPIRY_SECONDS = 7 * 24 * 3600
 DEAD_LETTER_REASON = "dead-letter-reason"
 DEAD_LETTER_TOPIC = "dead-letter-topic"
+# PUBACK's reason when no subscription took the message (MQTT 5, 3.4.2.1).
+_NO_SUBSCRIBERS = 16
 # The MQTT 5 properties of a message kept with the event (and on its dead letter).
 _KEPT = {
     "PayloadFormatIndicator": "payload_format_indicator",
@@ -83,6 +85,8 @@ class _Session:
         self.suback: list[Any] | None = None
         self.lost: str | None = None
         self.received: list[Any] = []
+        # The broker's PUBACK reason for each message this client published, by mid.
+        self.pubacks: dict[int, Any] = {}
 
 
 class MqttConsumer(batch.Consumer):
@@ -125,12 +129,16 @@ class MqttConsumer(batch.Consumer):
         def on_subscribe(_c: Any, _u: Any, _mid: int, reasons: list[Any], _p: Any) -> None:
             session.suback = reasons
 
+        def on_publish(_c: Any, _u: Any, mid: int, reason: Any, _p: Any) -> None:
+            session.pubacks[mid] = reason
+
         def on_disconnect(_c: Any, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
             session.lost = str(reason)
 
         client.on_connect = on_connect
         client.on_subscribe = on_subscribe
         client.on_disconnect = on_disconnect
+        client.on_publish = on_publish
         client.on_message = lambda _c, _u, message: session.received.append(message)
         return client
 
@@ -298,6 +306,18 @@ class MqttConsumer(batch.Consumer):
                 # Not acknowledged: the originals come again on the next connection.
                 raise ConnectionLost(f"no PUBACK for dead letters to {topic!r}")
             self._turn(client, session, 0.01)
+        # A copy refused, or taken by no subscription (the broker then keeps
+        # nothing), is not a dead letter: the originals, unacknowledged, come
+        # again on the next connection.
+        refused = {
+            str(reason)
+            for reason in (session.pubacks.pop(info.mid, None) for info in sent)
+            if reason is not None and (reason.is_failure or reason.value == _NO_SUBSCRIBERS)
+        }
+        if refused:
+            raise ConnectionLost(
+                f"the broker kept no dead letter to {topic!r}: {', '.join(sorted(refused))}"
+            )
 
     # -- a message as the inbox sees it -------------------------------------------------
 
