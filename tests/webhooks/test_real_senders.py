@@ -240,3 +240,46 @@ def test_cloudevents_sdk_events_are_received_once(app, mode):
     assert stored.dedup_key == json.dumps(["/orders", event.get_id()], separators=(",", ":"))
     assert stored.event_type == "com.example.order.created"
     assert stored.meta["ce_mode"] == mode
+
+
+def test_cloudevents_binary_mode_attributes_are_percent_decoded(app):
+    # The HTTP binding (3.1.3.2) percent-encodes a space, '"', '%' and
+    # non-ASCII in ce-* headers, and the SDK does: the key and type are the
+    # event's attributes, decoded, as a structured delivery of it gives them.
+    event = CloudEvent(
+        attributes={
+            "type": "com.example.order created",
+            "source": "/shops/Zürich store",
+            "id": "order 42%",
+        },
+        data={"order": 42},
+    )
+    message = ce_http.to_binary_event(event)
+    assert message.headers["ce-source"] == "/shops/Z%C3%BCrich%20store"
+    headers = {
+        **message.headers,
+        "X-Signature": "sha256=" + s.hmac_hex(message.body),
+        "content-type": "application/json",
+    }
+    response = app.test_client().post("/webhooks/ce", data=message.body, headers=headers)
+    assert response.status_code == 200, response.get_json()
+    (stored,) = rows(app, Event)
+    attributes = ["/shops/Zürich store", "order 42%"]
+    assert stored.dedup_key == json.dumps(attributes, separators=(",", ":"), ensure_ascii=False)
+    assert stored.event_type == "com.example.order created"
+
+
+def test_cloudevents_binary_mode_header_that_is_not_percent_encoded_utf8_is_400(app):
+    body = b'{"order": 1}'
+    headers = {
+        "X-Signature": "sha256=" + s.hmac_hex(body),
+        "ce-id": "o-%FF",
+        "ce-source": "/orders",
+        "ce-type": "t",
+        "ce-specversion": "1.0",
+        "Content-Type": "application/json",
+    }
+    response = app.test_client().post("/webhooks/ce", data=body, headers=headers)
+    assert response.status_code == 400
+    assert response.mimetype == "application/problem+json"
+    assert count(app, Event) == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from werkzeug.datastructures import Headers
 
@@ -80,10 +81,12 @@ class CloudEventsProvider:
         else:
             # id and source are the dedup key: a header sent twice is refused.
             attributes = {
-                "id": c.key_header(inbound, "ce-id"),
-                "source": c.key_header(inbound, "ce-source"),
-                "type": c.optional_header(inbound, "ce-type"),
-                "specversion": c.optional_header(inbound, "ce-specversion"),
+                "id": _attribute(c.key_header(inbound, "ce-id"), "ce-id"),
+                "source": _attribute(c.key_header(inbound, "ce-source"), "ce-source"),
+                "type": _attribute(c.optional_header(inbound, "ce-type"), "ce-type"),
+                "specversion": _attribute(
+                    c.optional_header(inbound, "ce-specversion"), "ce-specversion"
+                ),
             }
         return _identify(attributes, "binary")
 
@@ -106,6 +109,20 @@ class CloudEventsProvider:
                 raise MissingKeyError(f"batch entry {n}: {exc}") from exc
             found.append(Part(identified, event))
         return found
+
+
+def _attribute(value: str | None, name: str) -> str | None:
+    """A ce-* header's attribute value: percent-decoded, as the HTTP binding (3.1.3.2) says.
+
+    Senders percent-encode a space, '"', '%' and non-ASCII (the SDKs do), so
+    the key and type are the event's own attributes, as in structured mode.
+    """
+    if value is None:
+        return None
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"the {name} header is not percent-encoded UTF-8") from exc
 
 
 def _identify(attributes: dict[str, Any], mode: str) -> Identified:
