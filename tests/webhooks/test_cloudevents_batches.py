@@ -175,3 +175,17 @@ def test_a_fresh_batch_after_a_refused_one_is_stored(app):
     retry = post(client, batch_of(event(2), event(3)))
     assert retry.status_code == 200
     assert [e["status"] for e in retry.get_json()["events"]] == ["accepted", "accepted"]
+
+
+def test_a_batch_content_type_in_other_letter_case_stores_structured_events(app):
+    # Media types are case-insensitive (RFC 9110 8.3.1): the batch is read as
+    # one whatever the case, so each event must be stored as a structured one,
+    # not under the batch's type (a forward would send one event as a batch).
+    sent = "Application/CloudEvents-Batch+JSON; charset=utf-8"
+    response = post(app.test_client(), batch_of(event(1), event(2)), content_type=sent)
+    assert response.status_code == 200, response.get_json()
+    stored = rows(app)
+    assert len(stored) == 2
+    assert {row.content_type.partition(";")[0].lower() for row in stored} == {
+        "application/cloudevents+json"
+    }

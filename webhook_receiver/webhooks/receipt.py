@@ -10,6 +10,7 @@ answer follows from that, after the commit.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from .providers import (
 )
 
 log = logging.getLogger(__name__)
+
+_BATCH_TYPE = re.compile(re.escape("cloudevents-batch+json"), re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ def _store_batch(
     redacted = _redacted(source, headers)
     # Each event is stored as a structured delivery of it would be: its own
     # JSON, so the fingerprint matches that delivery's.
-    entry_type = content_type.replace("cloudevents-batch+json", "cloudevents+json", 1)
+    # (A media type's case is not significant: the batch was read as one in any case.)
+    entry_type = _BATCH_TYPE.sub("cloudevents+json", content_type, count=1)
     traceparent = tracing.current_traceparent(headers.get("traceparent"))
     messages = []
     for part in batch:
