@@ -82,7 +82,10 @@ def source_config(name: str, table: dict[str, Any], where: str) -> SourceConfig:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{where} {key} must be a positive integer")
     signature_header = table.get("signature_header")
-    if provider in ("generic", "cloudevents") and not isinstance(signature_header, str):
+    if provider in ("generic", "cloudevents") and (
+        not isinstance(signature_header, str) or not signature_header.strip()
+    ):
+        # A blank name would start, then refuse every delivery.
         raise ConfigError(f"{where} provider {provider} needs signature_header")
     dedup_key = table.get("dedup_key", "header:Idempotency-Key")
     for key in ("dedup_key", "event_type"):

@@ -289,6 +289,9 @@ def test_timestamp_placeholder_without_its_header_is_refused_at_start_up(tmp_pat
         ({"id_header": "X-Id"}, r"does not use \{id\}"),
         ({"secrets": ["base64:not base64!"]}, "must be non-empty base64"),
         ({"secrets": ["base64:"]}, "must be non-empty base64"),
+        # A blank header name was taken, and every delivery then refused (401).
+        ({"signature_header": ""}, "needs signature_header"),
+        ({"signature_header": "  "}, "needs signature_header"),
     ],
 )
 def test_bad_scheme_options_are_refused(table, expected) -> None:
