@@ -352,3 +352,25 @@ def test_an_entry_deleted_while_pending_with_the_consumer_is_no_event(make_app, 
     [event] = _events(app)
     assert json.loads(event.body) == {"kind": "ping", "n": "2"}
     assert redis_stream.dead_letters() == []
+
+
+def test_an_entry_whose_dead_letter_copy_fails_is_not_acknowledged_away(make_app, redis_stream):
+    # dead_letter_stream names a key that is no stream: in the MULTI/EXEC the
+    # copy's XADD fails alone (WRONGTYPE) and the XACK beside it went through,
+    # the entry lost. It must stay pending, and be dead-lettered once the
+    # stream can take it.
+    client = redis_stream.client()
+    client.set(redis_stream.dead, "not a stream")
+    app = make_app({"sources": {SOURCE: redis_source(redis_stream, claim_idle_seconds=1)}})
+    poison = {"type": "job.created", "body": b'{"no": "key"}'}
+    redis_stream.publish([_entry(1), poison])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        wait_until(lambda: False, 2)
+        assert redis_stream.group()["pending"] >= 1  # the poison entry, kept
+        client.delete(redis_stream.dead)
+        assert wait_until(lambda: len(redis_stream.dead_letters()) == 1, 30)
+        assert wait_until(lambda: redis_stream.unsettled() == 0, 10)
+    [dead] = redis_stream.dead_letters()
+    assert dead[b"body"] == b'{"no": "key"}' and dead[b"dead_letter_reason"] == b"dedup-key-missing"
+    assert stored_keys(app) == ["job-1"]

@@ -300,8 +300,20 @@ class RedisStreamConsumer(batch.Consumer):
             return False
         self.database.recovered()
         dead = [(e, v) for e, v in zip(entries, verdicts, strict=True) if v.action != batch.ACK]
-        pipe = client.pipeline(transaction=True)
         target = self.source.dead_letter_stream
+        if target and any(entry.fields is not None for entry, _ in dead):
+            kind = client.type(target)
+            if kind not in (b"none", b"stream", "none", "stream"):
+                # In the MULTI/EXEC a copy's XADD would fail alone (WRONGTYPE)
+                # and the XACK beside it go through: the entry lost. Nothing
+                # is acknowledged; the batch comes again from this consumer's
+                # pending entries in the next session.
+                shown = kind.decode() if isinstance(kind, bytes) else kind
+                raise SourceNotReady(
+                    f"dead_letter_stream {target!r} on {self.source.safe_url} is a {shown}, "
+                    "not a stream: dead letters wait, unacknowledged"
+                )
+        pipe = client.pipeline(transaction=True)
         if target:
             for entry, verdict in dead:
                 if entry.fields is not None:
