@@ -35,3 +35,38 @@ def test_queries_that_differ_in_bytes_that_are_not_utf8_are_a_mismatch(app, clie
     assert again.status_code == 201
     assert again.headers["Idempotent-Replayed"] == "true"
     assert count(app) == 1
+
+
+def test_the_same_bytes_sent_as_another_media_type_are_a_mismatch(app, client) -> None:
+    # A JSON event, then its canonical bytes as text/plain (not JSON, which
+    # the view refuses): another request, not a retry to replay the 201 to.
+    body = b'{"data":{"order":42},"type":"order.created"}'
+    first = post_event(client, key="ct-key", body=body)
+    assert first.status_code == 201, first.get_data(as_text=True)
+    other = post_event(client, key="ct-key", body=body, content_type="text/plain")
+    assert other.status_code == 422, other.get_data(as_text=True)
+    assert other.get_json()["type"] == "/problems/idempotency-key-reused"
+    # JSON re-serialised, or sent with a charset, is still the same request.
+    again = post_event(
+        client,
+        key="ct-key",
+        body=b'{"type": "order.created", "data": {"order": 42}}',
+        content_type="application/json; charset=utf-8",
+    )
+    assert again.status_code == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert count(app) == 1
+
+
+def test_a_body_that_is_not_json_is_fingerprinted_with_its_media_type(make_app) -> None:
+    app = make_app(PROPAGATE_EXCEPTIONS=False)
+    app.register_blueprint(make_test_blueprint())
+    client = app.test_client()
+    headers = {**bearer(), "Idempotency-Key": "form-key"}
+    first = client.post("/t/ok", data=b"a=1", headers=headers, content_type="text/plain")
+    assert first.status_code == 201
+    form = "application/x-www-form-urlencoded"
+    other = client.post("/t/ok", data=b"a=1", headers=headers, content_type=form)
+    assert other.status_code == 422, other.get_data(as_text=True)
+    again = client.post("/t/ok", data=b"a=1", headers=headers, content_type="Text/Plain")
+    assert again.headers["Idempotent-Replayed"] == "true"

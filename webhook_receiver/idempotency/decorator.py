@@ -65,16 +65,21 @@ def refused_before_execution(exc: BaseException) -> bool:
 def request_fingerprint() -> str:
     """Fingerprint the current request: method, path, query and the (canonical) body.
 
-    A JSON body, once parsed, is left in the request's environ under
-    ``JSON_BODY`` as (document, canonical bytes), so the view need not
-    parse and serialise it again.
+    A body that is not JSON is read as its media type says, so that type
+    is fingerprinted with it: the same bytes as text/plain and as JSON, or
+    as a form, are two requests. A JSON body's fingerprint is its canonical
+    document alone. A JSON body, once parsed, is left in the request's
+    environ under ``JSON_BODY`` as (document, canonical bytes), so the view
+    need not parse and serialise it again.
     """
     body = request.get_data(cache=True)
+    media_type = [request.mimetype]
     if is_json_type(request.content_type):
         try:
             document = loads(body)
             body = canonical_json(document)
             request.environ[JSON_BODY] = (document, body)
+            media_type = []
         except JSONError:
             pass  # not JSON after all: the raw bytes are the content
     # Byte for byte (latin-1 both ways): an escape that is not UTF-8 (%FF,
@@ -82,7 +87,7 @@ def request_fingerprint() -> str:
     # them all U+FFFD. A UTF-8 query comes out as it did.
     pairs = parse_qsl(request.query_string.decode("latin-1"), True, encoding="latin-1")
     query = urlencode(sorted(pairs), encoding="latin-1")
-    return fingerprint([request.method, request.path, query, body])
+    return fingerprint([request.method, request.path, query, body, *media_type])
 
 
 def _saved_headers(response: Response) -> list[list[str]]:
