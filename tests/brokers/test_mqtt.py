@@ -16,6 +16,8 @@ import threading
 import uuid
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from sqlalchemy import select
 
 from webhook_receiver.config import ConfigError, ForwardConfig, parse
@@ -31,6 +33,7 @@ from .conftest import (
     consuming,
     count_events,
     dead_letter_count,
+    duplicate_total,
     start_consume,
     stop,
     wait_until,
@@ -231,3 +234,34 @@ def test_a_dead_letter_no_session_subscribes_to_is_not_acknowledged_away(make_ap
     [(payload, properties)] = got
     assert payload == b'{"no": "key"}' and properties["dead-letter-reason"] == "dedup-key-missing"
     assert count_events(app) == 1
+
+
+def test_a_retained_message_is_not_sent_again_on_each_connection(make_app, mqtt_topics):
+    # The consumer subscribes again on each connection to its session: with
+    # retain handling 0 the broker sent every retained message on its topics
+    # again each time, a duplicate counted (or a poison dead-lettered again)
+    # per connection. Retain handling 1: only to a subscription that is new.
+    app = make_app({"sources": {SOURCE: mqtt_source(mqtt_topics)}})
+    topic = f"{mqtt_topics.prefix}/sensor-7/events"
+    publisher = mqtt_client(f"{mqtt_topics.prefix}-retainer")
+    publisher.connect("127.0.0.1", mqtt_topics.broker.port)
+    publisher.loop_start()
+    try:
+        level, body, props = _message(1)
+        properties = Properties(PacketTypes.PUBLISH)
+        properties.UserProperty = props
+        info = publisher.publish(topic, body, qos=1, retain=True, properties=properties)
+        info.wait_for_publish(10)
+        try:
+            for _ in range(3):
+                with consuming(app, SOURCE):
+                    assert wait_until(lambda: count_events(app) == 1, 30)
+                    wait_until(lambda: mqtt_topics.sent() > 1, 1)
+                    assert wait_until(lambda: mqtt_topics.acked() == mqtt_topics.sent(), 10)
+        finally:
+            publisher.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
+    finally:
+        publisher.disconnect()
+        publisher.loop_stop()
+    assert mqtt_topics.sent() == 1
+    assert duplicate_total(app) == 0

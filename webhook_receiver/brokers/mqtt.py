@@ -162,7 +162,15 @@ class MqttConsumer(batch.Consumer):
             flags, reason = session.connack
             if reason.is_failure:
                 raise ConnectionLost(f"the broker refused the connection: {reason}")
-            topics = [(topic, SubscribeOptions(qos=1)) for topic in self.source.topics]
+            # Retain handling 1: a topic's retained message is sent to the
+            # subscription when it is new, not again on every connection.
+            topics = [
+                (
+                    topic,
+                    SubscribeOptions(qos=1, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB),
+                )
+                for topic in self.source.topics
+            ]
             client.subscribe(topics)
             self._until(client, session, lambda: session.suback is not None, "SUBACK")
             refused = [
