@@ -20,6 +20,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from sqlalchemy import select
 
+from webhook_receiver.brokers.mqtt_setup import declare_mqtt
 from webhook_receiver.config import ConfigError, ForwardConfig, parse
 from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.extensions import db
@@ -265,3 +266,19 @@ def test_a_retained_message_is_not_sent_again_on_each_connection(make_app, mqtt_
         publisher.loop_stop()
     assert mqtt_topics.sent() == 1
     assert duplicate_total(app) == 0
+
+
+def test_declare_run_again_takes_none_of_the_messages_waiting_in_the_session(make_app, mqtt_topics):
+    # `brokers declare` resumes the source's session (clean start off) to
+    # subscribe it: the broker sends it the messages waiting there, which
+    # paho acknowledged by itself, and the consumer never had them.
+    app = make_app({"sources": {SOURCE: mqtt_source(mqtt_topics)}})
+    mqtt_topics.publish([_message(n) for n in range(5)])
+    said: list[str] = []
+    declare_mqtt(app.config["FILE_CONFIG"].brokers[SOURCE], said.append)
+    assert said == [
+        f"session {mqtt_topics.client_id!r} ({mqtt_topics.topic_filter}, QoS 1): exists"
+    ]
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 5, 15)
+        assert wait_until(lambda: mqtt_topics.acked() == 5, 10)

@@ -45,6 +45,10 @@ class _Connection:
             client_id=client_id,
             protocol=MQTTProtocolVersion.MQTTv5,
             reconnect_on_failure=False,
+            # Never acknowledged here: a session resumed (``declare`` run
+            # again) is sent the messages waiting in it, which are the
+            # consumer's; unacknowledged, they go to it on its next connection.
+            manual_ack=True,
         )
         url = urlsplit(source.url)
         if url.username is not None:
