@@ -184,3 +184,19 @@ def test_machine_endpoints_never_use_a_session_cookie(app, client):
     assert response.status_code == 201
     assert "Set-Cookie" not in response.headers
     assert "Vary" not in response.headers or "Cookie" not in response.headers["Vary"]
+
+
+def test_the_event_keeps_the_key_the_record_is_under_not_the_header_as_sent(app, client):
+    # The draft's sf-string form and a bare token with spaces around it name
+    # the key inside: the event's meta (what the admin searches and shows)
+    # holds that key, as the idempotency record does, not the header's text.
+    quoted = post_event(client, key='"order-\\"7\\""')
+    spaced = post_event(client, key=" order-8 ", body={"type": "t", "data": 8})
+    assert quoted.status_code == spaced.status_code == 201
+    with app.app_context():
+        keys = {
+            event.meta["idempotency_key"]
+            for event in db.session.scalars(db.select(Event).order_by(Event.id))
+        }
+        records = set(db.session.scalars(db.select(IdempotencyRecord.key)))
+    assert keys == records == {'order-"7"', "order-8"}

@@ -12,6 +12,7 @@ from .. import correlation, events, inbox, tracing
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
+from ..idempotency.keys import parse_key
 from ..inbox.messages import TYPE_LENGTH, Unstorable
 from .auth import require_client
 from .event_records import EventRecords
@@ -70,7 +71,9 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             event_type=event_type,
             content_type=request.content_type,
             headers=events.redact_headers(request.headers.items()),
-            meta={"idempotency_key": request.headers.get("Idempotency-Key")},
+            # The key as parsed (a quoted sf-string unquoted): the one its
+            # record is under, which the admin searches for.
+            meta={"idempotency_key": parse_key(request.headers)},
             correlation_id=correlation.current(),
             client=g.client,
             received_at=now,
