@@ -62,8 +62,13 @@ def _cursors() -> dict[str, paging.Cursor | None]:
 
 def _pager(page: paging.Page) -> dict[str, str | None]:
     """Links to the newer and older pages, keeping the current filters."""
+    # An argument named like one of url_for's own (endpoint, _method,
+    # _external, ...) is no filter: passed on, it failed the page (a 500) or
+    # changed the links.
     args: dict[str, Any] = {
-        k: v for k, v in request.args.items() if k not in ("before", "after") and v
+        k: v
+        for k, v in request.args.items()
+        if k not in ("before", "after", "endpoint") and not k.startswith("_") and v
     }
     endpoint = request.endpoint or "admin.overview"
     return {
