@@ -295,3 +295,22 @@ def test_a_new_login_after_logout_works_and_the_old_cookie_stays_dead(admin_app:
     stale = admin_app.test_client()
     stale.set_cookie("session", old)
     assert stale.get("/admin/").status_code == 302
+
+
+def test_logging_in_again_ends_the_session_it_replaces(admin_app: Flask) -> None:
+    # The login form posted from a live session (a second tab's form) opens
+    # a new session: the one it replaces ends on the server, so a copy of
+    # its cookie opens nothing afterwards.
+    client = admin_app.test_client()
+    assert login(client).status_code == 302
+    old = client.get_cookie("session").value
+    again = client.post(
+        "/admin/login",
+        data={"password": PASSWORD, "csrf_token": csrf_token(client, "/admin/")},
+    )
+    assert again.status_code == 302
+    assert client.get_cookie("session").value != old
+    assert client.get("/admin/").status_code == 200
+    stale = admin_app.test_client()
+    stale.set_cookie("session", old)
+    assert stale.get("/admin/").status_code == 302

@@ -61,11 +61,18 @@ def _digest(session_id: str) -> str:
 
 
 def log_in() -> None:
-    """Start a fresh admin session (a new CSRF token too: nothing carries over)."""
+    """Start a fresh admin session (a new CSRF token too: nothing carries over).
+
+    A session the cookie held (the form posted from a live session) ends on
+    the server, as at logout: a copy of its cookie opens nothing after.
+    """
+    replaced = session.get(SESSION_KEY)
     session.clear()
     session_id = secrets.token_urlsafe(32)
     now = utcnow()
     with unit_of_work():
+        if isinstance(replaced, dict) and isinstance(replaced.get("id"), str):
+            logins.close_admin_session(_digest(replaced["id"]))
         logins.open_admin_session(_digest(session_id), now, now + timedelta(hours=_hours()))
     session[SESSION_KEY] = {"tag": _session_tag(), "at": int(time.time()), "id": session_id}
     g.admin_logged_in = True
