@@ -374,3 +374,4 @@ def test_an_entry_whose_dead_letter_copy_fails_is_not_acknowledged_away(make_app
     [dead] = redis_stream.dead_letters()
     assert dead[b"body"] == b'{"no": "key"}' and dead[b"dead_letter_reason"] == b"dedup-key-missing"
     assert stored_keys(app) == ["job-1"]
+    assert duplicate_total(app) == 0  # the stored entry was acknowledged, not read again

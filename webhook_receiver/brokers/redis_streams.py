@@ -305,9 +305,14 @@ class RedisStreamConsumer(batch.Consumer):
             kind = client.type(target)
             if kind not in (b"none", b"stream", "none", "stream"):
                 # In the MULTI/EXEC a copy's XADD would fail alone (WRONGTYPE)
-                # and the XACK beside it go through: the entry lost. Nothing
-                # is acknowledged; the batch comes again from this consumer's
-                # pending entries in the next session.
+                # and the XACK beside it go through: the entry lost. Only the
+                # stored entries are acknowledged; the others come again from
+                # this consumer's pending entries in the next session.
+                stored = [
+                    e.id for e, v in zip(entries, verdicts, strict=True) if v.action == batch.ACK
+                ]
+                if stored:
+                    client.xack(self.stream, self.group, *stored)
                 shown = kind.decode() if isinstance(kind, bytes) else kind
                 raise SourceNotReady(
                     f"dead_letter_stream {target!r} on {self.source.safe_url} is a {shown}, "
