@@ -29,7 +29,7 @@ from .views import _cursors, _page_size, _plural, _render_list, _sources
 
 log = logging.getLogger(__name__)
 
-# A bulk replay from the admin runs within its request: at most this many.
+# A bulk replay from the admin takes at most this many (a worker runs it, in the background).
 MAX_REPLAY = 100_000
 
 
