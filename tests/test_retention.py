@@ -234,10 +234,13 @@ def test_idempotency_records_rejections_and_login_failures_are_pruned(app, runne
         assert count(app, AdminLoginFailure) == 1
 
 
-def test_batch_size_must_be_positive(app, runner):
-    result = runner.invoke(args=["purge", "--batch-size", "-1"])
+@pytest.mark.parametrize("size", ["-1", "0"])
+def test_batch_size_must_be_positive(app, runner, size):
+    # 0 too: it was taken for "not given", and the purge ran with the default.
+    result = runner.invoke(args=["purge", "--batch-size", size])
     assert result.exit_code != 0
     assert "must be at least 1" in result.output
+    assert "purged" not in result.output
 
 
 def test_flask_purge_runs_from_the_command_line(db_url, tmp_path):

@@ -218,7 +218,7 @@ def purge(now: datetime, batch_size: int) -> PurgeReport:
 @click.option("--batch-size", type=int, default=None, help="Rows deleted per transaction.")
 def purge_command(batch_size: int | None) -> None:
     """Delete events past their retention and expired idempotency records, in batches."""
-    size = batch_size or int(current_app.config["PURGE_BATCH_SIZE"])
+    size = int(current_app.config["PURGE_BATCH_SIZE"]) if batch_size is None else batch_size
     if size < 1:
         raise click.BadParameter("must be at least 1", param_hint="--batch-size")
     report = purge(datetime.now(UTC), size)
