@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import insert, select, text
+from sqlalchemy import inspect as sa_inspect
 
 from webhook_receiver import create_app
 from webhook_receiver.config import ConfigError
@@ -373,3 +374,25 @@ def test_a_purge_keeps_an_event_replayed_while_it_waited(app):
         assert (report.events, report.events_kept) == (0, 0)
         assert surviving_ids() == {event_id}
         assert db.session.scalars(select(Delivery.state)).all() == ["pending"]
+
+
+def test_every_foreign_key_to_events_is_indexed(app):
+    # Each event the purge deletes makes the database find the rows that
+    # refer to it (to cascade, or to set NULL): without an index on the
+    # column, one scan of the whole table per event. entity_versions had
+    # none: a batch of 1,000 events beside 300,000 entity versions took
+    # 17 s on PostgreSQL, locks held (0.05 s with the index).
+    with app.app_context():
+        inspector = sa_inspect(db.engine)
+        for table in inspector.get_table_names():
+            for fk in inspector.get_foreign_keys(table):
+                if fk["referred_table"] != "events":
+                    continue
+                columns = fk["constrained_columns"]
+                leading = [
+                    index["column_names"][: len(columns)] for index in inspector.get_indexes(table)
+                ] + [
+                    unique["column_names"][: len(columns)]
+                    for unique in inspector.get_unique_constraints(table)
+                ]
+                assert columns in leading, f"{table}.{columns} has no index"
