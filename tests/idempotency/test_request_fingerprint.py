@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from webhook_receiver.fingerprint import fingerprint
+from webhook_receiver.idempotency.decorator import request_fingerprint
 from webhook_receiver.models import IdempotencyRecord
 
 from ..conftest import bearer
@@ -70,3 +72,18 @@ def test_a_body_that_is_not_json_is_fingerprinted_with_its_media_type(make_app) 
     assert other.status_code == 422, other.get_data(as_text=True)
     again = client.post("/t/ok", data=b"a=1", headers=headers, content_type="Text/Plain")
     assert again.headers["Idempotent-Replayed"] == "true"
+
+
+def test_fingerprints_saved_before_media_types_counted_still_match(make_app) -> None:
+    # Records outlive a deploy: a retry sent across it must find its record.
+    # A JSON body and no body at all fingerprint as they did before a body's
+    # media type counted; only a body that is not JSON has its type added.
+    app = make_app()
+    with app.test_request_context("/t/ok?b=2&a=1", method="POST"):
+        assert request_fingerprint() == fingerprint(["POST", "/t/ok", "a=1&b=2", b""])
+    with app.test_request_context(
+        "/t/ok", method="POST", data=b'{"b": 1, "a": 2}', content_type="application/json"
+    ):
+        assert request_fingerprint() == fingerprint(["POST", "/t/ok", "", b'{"a":2,"b":1}'])
+    with app.test_request_context("/t/ok", method="POST", data=b"a=1", content_type="text/plain"):
+        assert request_fingerprint() == fingerprint(["POST", "/t/ok", "", b"a=1", "text/plain"])

@@ -88,8 +88,12 @@ def request_fingerprint() -> str:
     pairs = parse_qsl(request.query_string.decode("latin-1"), True, encoding="latin-1")
     query = urlencode(sorted(pairs), encoding="latin-1")
     parts: list[bytes | str] = [request.method, request.path, query, body]
-    if not parsed:
-        parts.append(request.mimetype)  # only then parsed: JSON's hot path is spared it
+    if body and not parsed:
+        # Only then parsed: JSON's hot path is spared it. Without a body the
+        # type says nothing, and a bodiless request keeps the fingerprint its
+        # record was saved under before types counted (a retry across the
+        # upgrade replays rather than 422).
+        parts.append(request.mimetype)
     return fingerprint(parts)
 
 
