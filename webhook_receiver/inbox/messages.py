@@ -27,14 +27,20 @@ def _length(column: str) -> int:
 # What a message may hold to be stored the same way on PostgreSQL and SQLite.
 # The lengths are the events table's columns (PostgreSQL refuses a longer
 # value with an error, SQLite stores it); text holds no NUL (PostgreSQL's
-# text and jsonb refuse one) and is UTF-8 (no lone surrogate). Checked by
-# Message.build, for every intake; documented in docs/architecture.md.
+# text and jsonb refuse one) and is UTF-8 (no lone surrogate): the text
+# fields, the headers' names and values, and the meta's keys and strings at
+# any depth (jsonb refuses the whole document). An integer in the meta has
+# at most MAX_META_DIGITS digits (Python writes no longer one as JSON).
+# Checked by Message.build, for every intake; documented in
+# docs/architecture.md.
 SOURCE_LENGTH = _length("source")
 KEY_LENGTH = _length("dedup_key")
 TYPE_LENGTH = _length("event_type")
 CONTENT_TYPE_LENGTH = _length("content_type")
 CLIENT_LENGTH = _length("client")
 CORRELATION_ID_LENGTH = _length("correlation_id")
+MAX_META_DIGITS = 4300  # sys.int_info.default_max_str_digits
+_META_INT_BOUND = 10**MAX_META_DIGITS
 
 _NAMES = {
     "source": "the source name",
@@ -43,6 +49,7 @@ _NAMES = {
     "content_type": "the content type",
     "client": "the client name",
     "correlation_id": "the correlation id",
+    "headers": "the headers",
     "meta": "the metadata",
 }
 
@@ -51,7 +58,8 @@ class Unstorable(ValueError):
     """A message that no database can store as it is: refused before anything is written.
 
     ``field`` names the Message field (``dedup_key``, ``event_type``,
-    ``content_type``, ``source``, ``client``, ``correlation_id``, ``meta``);
+    ``content_type``, ``source``, ``client``, ``correlation_id``,
+    ``headers``, ``meta``);
     ``reason`` is ``empty``, ``too-long``, ``nul`` or ``not-utf8``; ``detail``
     says it in a sentence. Each intake maps it to its protocol: a 400 (or
     415 for the content type) over HTTP, a dead letter for a broker.
@@ -119,6 +127,8 @@ class Message(NamedTuple):
         text = f"{source}{dedup_key}{event_type or ''}{content_type or ''}{client or ''}"
         if correlation_id:
             text += correlation_id
+        if headers:
+            text += "".join([part for pair in headers for part in pair])
         if (
             not dedup_key
             or len(dedup_key) > KEY_LENGTH
@@ -129,9 +139,11 @@ class Message(NamedTuple):
             or (correlation_id is not None and len(correlation_id) > CORRELATION_ID_LENGTH)
             or "\x00" in text
             or not (text.isascii() or _is_utf8(text))
-            or (meta and _meta_has_nul(meta))
+            or (meta and _meta_unstorable(meta))
         ):
-            _refuse(source, dedup_key, event_type, content_type, client, correlation_id, meta)
+            _refuse(
+                source, dedup_key, event_type, content_type, client, correlation_id, headers, meta
+            )
         if traceparent is not None:
             traceparent = valid_traceparent(traceparent)
             if traceparent is not None:
@@ -159,13 +171,65 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _meta_has_nul(meta: Mapping[str, Any]) -> bool:
-    # A loop, not any() over a generator: half the cost, and it runs per message.
-    for value in meta.values():
-        if value.__class__ is str and "\x00" in value:
-            return True
+def _text_reason(text: str) -> str | None:
+    """Why ``text`` cannot be stored alike on both databases (``nul``, ``not-utf8``), or None."""
+    if "\x00" in text:
+        return "nul"
+    if not (text.isascii() or _is_utf8(text)):
+        return "not-utf8"
+    return None
+
+
+def _meta_unstorable(meta: Mapping[str, Any]) -> bool:
+    # A loop, not any() over a generator: it runs per message. A top-level
+    # ASCII string, a float, a bool or None is checked here; anything else
+    # (a nested value, an integer, non-ASCII text) by the walk.
+    for key, value in meta.items():
+        cls = value.__class__
+        if cls is str:
+            if "\x00" in value or not value.isascii():
+                if _text_reason(value) is not None:
+                    return True
+        elif cls is int:
+            if not -_META_INT_BOUND < value < _META_INT_BOUND:
+                return True
+        elif value is not None and cls is not float and cls is not bool:
+            if _json_reason(value) is not None:
+                return True
+        if key.__class__ is str and ("\x00" in key or not key.isascii()):
+            if _text_reason(key) is not None:
+                return True
     return False
 
+
+def _json_reason(value: Any) -> str | None:
+    """Why a meta value cannot be stored alike on both databases, at any depth, or None."""
+    if isinstance(value, str):
+        return _text_reason(value)
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return "too-long" if not -_META_INT_BOUND < value < _META_INT_BOUND else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            reason = (_text_reason(key) if isinstance(key, str) else None) or _json_reason(item)
+            if reason is not None:
+                return reason
+        return None
+    if isinstance(value, list | tuple):
+        for item in value:
+            reason = _json_reason(item)
+            if reason is not None:
+                return reason
+    return None
+
+
+_DETAILS = {"nul": "{} hold a NUL character", "not-utf8": "{} are not UTF-8 text"}
+_META_DETAILS = {
+    "nul": "the metadata holds a NUL character",
+    "not-utf8": "the metadata is not UTF-8 text",
+    "too-long": f"the metadata holds an integer of more than {MAX_META_DIGITS} digits",
+}
 
 _LIMITS = {
     "source": SOURCE_LENGTH,
@@ -184,6 +248,7 @@ def _refuse(
     content_type: str | None,
     client: str | None,
     correlation_id: str | None,
+    headers: tuple[tuple[str, str], ...],
     meta: Mapping[str, Any],
 ) -> None:
     """Raise the Unstorable that names the first field over a limit."""
@@ -207,8 +272,14 @@ def _refuse(
             raise Unstorable(field, "nul", f"{name} holds a NUL character")
         if not _is_utf8(value):
             raise Unstorable(field, "not-utf8", f"{name} is not UTF-8 text")
-    if _meta_has_nul(meta):
-        raise Unstorable("meta", "nul", "the metadata holds a NUL character")
+    for pair in headers:
+        for value in pair:
+            reason = _text_reason(value)
+            if reason is not None:
+                raise Unstorable("headers", reason, _DETAILS[reason].format(_NAMES["headers"]))
+    reason = _json_reason(dict(meta))
+    if reason is not None:
+        raise Unstorable("meta", reason, _META_DETAILS[reason])
     raise AssertionError("Message.build refused a storable message")  # pragma: no cover
 
 
