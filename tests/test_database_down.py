@@ -286,3 +286,29 @@ def test_writes_to_a_read_only_database_are_503_and_never_2xx(make_app, db_url) 
         assert response.headers["Retry-After"]
     writable = make_app(config)
     assert count(writable, Event) == count(writable, IdempotencyRecord) == 0
+
+
+def test_a_statement_past_a_database_limit_is_no_outage(make_app):
+    # PostgreSQL's unique index on (source, dedup_key) holds at most 2704
+    # bytes a row: a long key of four-byte characters under a long source
+    # name passes Message.build's character limits and goes past it. The
+    # error (SQLSTATE 54000) is an OperationalError to psycopg, and was taken
+    # for the database being away: a 503, a broker batch backed off and
+    # retried for ever rather than stored one by one. SQLite stores it.
+    from sqlalchemy.exc import DBAPIError
+
+    from webhook_receiver import inbox
+    from webhook_receiver.database import is_unavailable
+
+    four_bytes = "".join(chr(0x10000 + 7919 * i % 0xFFFFF) for i in range(1, 709))
+    message = inbox.Message.build(
+        source=four_bytes[:196], dedup_key=four_bytes[196:], fingerprint="f" * 64, body=b"{}"
+    )
+    app = make_app({"clients": CLIENTS, "sources": {}})
+    with app.app_context():
+        try:
+            outcome = inbox.receive(message)
+        except DBAPIError as exc:
+            assert not is_unavailable(exc), exc
+        else:
+            assert isinstance(outcome, inbox.Accepted)

@@ -175,6 +175,11 @@ _READ_ONLY = "25006"
 # server too slow to answer), or an operator cancelled the statement.
 _QUERY_CANCELED = "57014"
 _AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED})
+# program_limit_exceeded (class 54): a statement past one of the server's
+# limits (an index row over btree's 2704 bytes, a jsonb document past
+# 256 MB). psycopg files it under OperationalError, but the statement is at
+# fault, not the database: sent again, it fails again.
+_PROGRAM_LIMIT_CLASS = "54"
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -186,14 +191,21 @@ def is_unavailable(exc: BaseException) -> bool:
     file) past the busy timeout; a pool with no connection to lend within
     its timeout is a busy database too. So is a statement cancelled by the
     statement timeout (SQLSTATE 57014), whatever class the driver gives it.
+    A statement past one of PostgreSQL's limits (SQLSTATE class 54, an
+    OperationalError to psycopg) is not: it is the statement's fault.
     """
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
+    if isinstance(exc, PoolTimeout):
         return True
     if not isinstance(exc, DBAPIError):
         return False
-    return (
-        bool(exc.connection_invalidated) or getattr(exc.orig, "sqlstate", None) in _AWAY_SQLSTATES
-    )
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if isinstance(exc, OperationalError | InterfaceError):
+        return not (
+            sqlstate
+            and sqlstate.startswith(_PROGRAM_LIMIT_CLASS)
+            and not exc.connection_invalidated
+        )
+    return bool(exc.connection_invalidated) or sqlstate in _AWAY_SQLSTATES
 
 
 def _postgresql_connect_params(
