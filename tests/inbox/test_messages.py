@@ -71,6 +71,9 @@ def test_a_storable_message_is_the_message():
         ({"correlation_id": "c" * 201}, "correlation_id", "too-long"),
         ({"correlation_id": "\udc00"}, "correlation_id", "not-utf8"),
         ({"meta": {"delivery": "d\x00"}}, "meta", "nul"),
+        # PostgreSQL's unique index takes 2704 bytes a row: four-byte characters
+        # within the lengths in characters go past it.
+        ({"source": "\U0001f600" * 160, "dedup_key": "\U0001f600" * 512}, "dedup_key", "too-long"),
         # jsonb refuses the whole document for one of these anywhere in it,
         # where SQLite stores it: a batch holding one failed on every redelivery.
         ({"headers": (("X-Note", "a\x00b"),)}, "headers", "nul"),
@@ -91,6 +94,18 @@ def test_what_no_database_stores_is_refused(fields, field, reason):
         build(**fields)
     assert (refused.value.field, refused.value.reason) == (field, reason)
     assert str(refused.value) == refused.value.detail
+
+
+def test_a_key_at_the_unique_index_limit_is_stored_on_both_databases(make_app):
+    # 2680 bytes of source name and key in UTF-8: what Message.build lets through.
+    source = "".join(chr(0x10000 + 7919 * i % 0xFFFFF) for i in range(157)) + "abcd"
+    key = "".join(chr(0x10000 + 7919 * i % 0xFFFFF) for i in range(200, 712))
+    message = build(source=source, dedup_key=key)
+    with pytest.raises(Unstorable):
+        build(source=source + "c", dedup_key=key)
+    app = make_app({"clients": CLIENTS, "sources": {}})
+    with app.app_context():
+        assert isinstance(inbox.receive(message), inbox.Accepted)
 
 
 def test_what_build_lets_through_both_databases_store(make_app):

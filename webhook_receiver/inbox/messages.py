@@ -39,6 +39,10 @@ TYPE_LENGTH = _length("event_type")
 CONTENT_TYPE_LENGTH = _length("content_type")
 CLIENT_LENGTH = _length("client")
 CORRELATION_ID_LENGTH = _length("correlation_id")
+# PostgreSQL's unique index on (source, dedup_key) holds a row of at most
+# 2704 bytes, some 20 of them its own: the two in UTF-8 at most this many
+# (only a non-ASCII source or key can pass it within their lengths).
+KEY_INDEX_BYTES = 2680
 MAX_META_DIGITS = 4300  # sys.int_info.default_max_str_digits
 _META_INT_BOUND = 10**MAX_META_DIGITS
 
@@ -138,7 +142,7 @@ class Message(NamedTuple):
             or (client is not None and len(client) > CLIENT_LENGTH)
             or (correlation_id is not None and len(correlation_id) > CORRELATION_ID_LENGTH)
             or "\x00" in text
-            or not (text.isascii() or _is_utf8(text))
+            or not (text.isascii() or (_is_utf8(text) and _key_fits(source, dedup_key)))
             or (meta and _meta_unstorable(meta))
         ):
             _refuse(
@@ -169,6 +173,11 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:  # a lone surrogate
         return False
     return True
+
+
+def _key_fits(source: str, dedup_key: str) -> bool:
+    """Whether PostgreSQL's unique index takes the key's row (both UTF-8)."""
+    return len(source.encode()) + len(dedup_key.encode()) <= KEY_INDEX_BYTES
 
 
 def _text_reason(text: str) -> str | None:
@@ -272,6 +281,12 @@ def _refuse(
             raise Unstorable(field, "nul", f"{name} holds a NUL character")
         if not _is_utf8(value):
             raise Unstorable(field, "not-utf8", f"{name} is not UTF-8 text")
+    if not _key_fits(source, dedup_key):
+        raise Unstorable(
+            "dedup_key",
+            "too-long",
+            f"the source name and the dedup key are longer than {KEY_INDEX_BYTES} bytes in UTF-8",
+        )
     for pair in headers:
         for value in pair:
             reason = _text_reason(value)
