@@ -45,6 +45,7 @@ CORRELATION_ID_LENGTH = _length("correlation_id")
 KEY_INDEX_BYTES = 2680
 MAX_META_DIGITS = 4300  # sys.int_info.default_max_str_digits
 _META_INT_BOUND = 10**MAX_META_DIGITS
+_META_INT_FLOOR = -_META_INT_BOUND  # negated once: each negation copies 4,300 digits
 
 _NAMES = {
     "source": "the source name",
@@ -190,25 +191,26 @@ def _text_reason(text: str) -> str | None:
 
 
 def _meta_unstorable(meta: Mapping[str, Any]) -> bool:
-    # A loop, not any() over a generator: it runs per message. A top-level
-    # ASCII string, a float, a bool or None is checked here; anything else
-    # (a nested value, an integer, non-ASCII text) by the walk.
-    for key, value in meta.items():
+    # A loop, not any() over a generator: it runs per message. What is not
+    # plainly storable (a nested value, non-ASCII text or a key) is walked.
+    for value in meta.values():
         cls = value.__class__
         if cls is str:
             if "\x00" in value or not value.isascii():
-                if _text_reason(value) is not None:
-                    return True
+                break
         elif cls is int:
-            if not -_META_INT_BOUND < value < _META_INT_BOUND:
+            if not _META_INT_FLOOR < value < _META_INT_BOUND:
                 return True
         elif value is not None and cls is not float and cls is not bool:
-            if _json_reason(value) is not None:
-                return True
-        if key.__class__ is str and ("\x00" in key or not key.isascii()):
-            if _text_reason(key) is not None:
-                return True
-    return False
+            break
+    else:
+        try:
+            keys = "".join(meta)
+        except TypeError:  # a key that is no text
+            keys = "\x00"
+        if "\x00" not in keys and keys.isascii():
+            return False
+    return _json_reason(meta) is not None
 
 
 def _json_reason(value: Any) -> str | None:
@@ -218,7 +220,7 @@ def _json_reason(value: Any) -> str | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
-        return "too-long" if not -_META_INT_BOUND < value < _META_INT_BOUND else None
+        return "too-long" if not _META_INT_FLOOR < value < _META_INT_BOUND else None
     if isinstance(value, Mapping):
         for key, item in value.items():
             reason = (_text_reason(key) if isinstance(key, str) else None) or _json_reason(item)
