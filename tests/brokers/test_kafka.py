@@ -345,3 +345,19 @@ def test_kill9_three_times_through_rebalances_loses_and_doubles_nothing(
     if offsets == "inbox":
         # Nothing stored was read again: no duplicate the producer did not send.
         assert duplicate_total(app) == 0
+
+
+def test_a_poison_record_too_large_to_copy_does_not_stop_the_consumer(make_app, kafka_topic):
+    # A record the broker took, larger than the dead-letter producer may send
+    # (librdkafka's message.max.bytes, 1,000,000): its copy is refused at once.
+    from confluent_kafka import Producer
+
+    app = make_app({"sources": {SOURCE: kafka_source(kafka_topic)}})
+    big = Producer({"bootstrap.servers": kafka_topic.bootstrap, "message.max.bytes": 3_000_000})
+    big.produce(kafka_topic.name, value=b"x" * 1_100_000, headers=[("type", b"order.paid")])
+    assert big.flush(30) == 0
+    kafka_topic.publish([record(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1 and kafka_topic.lag() == 0, 30)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    assert _positions(app) == {(kafka_topic.name, 0): 2}  # its offset moved on

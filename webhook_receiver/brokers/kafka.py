@@ -106,6 +106,10 @@ _BROKER_AWAY = frozenset(
     }
 )
 
+# What librdkafka refuses to produce whatever the broker's state: a
+# dead-letter copy refused so is never sent.
+_REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE})
+
 TopicKey = tuple[str, int]
 
 
@@ -561,13 +565,36 @@ class KafkaConsumer(batch.Consumer):
         while waiting:
             failed: list[tuple[Message, batch.Verdict]] = []
             for record, verdict in waiting:
-                self._producer.produce(
-                    topic,
-                    value=record.value(),
-                    key=record.key(),
-                    headers=[*_headers_of(record), *self._error_headers(record, verdict)],
-                    on_delivery=_on_delivery(failed, (record, verdict)),
-                )
+                try:
+                    self._producer.produce(
+                        topic,
+                        value=record.value(),
+                        key=record.key(),
+                        headers=[*_headers_of(record), *self._error_headers(record, verdict)],
+                        on_delivery=_on_delivery(failed, (record, verdict)),
+                    )
+                except KafkaException as exc:
+                    if _error_code(exc) in _REFUSED:
+                        # No copy can ever be sent (larger than the producer's
+                        # message.max.bytes): passed without one, said loudly,
+                        # rather than stopping the consumer on it for good.
+                        log.error(
+                            "source %s: the dead-letter copy of %s[%d]@%d was refused (%s); "
+                            "its offset moves on without one",
+                            self.source.name,
+                            record.topic(),
+                            record.partition(),
+                            record.offset(),
+                            _describe(exc),
+                            extra={**self._extra(), "reason": verdict.reason},
+                        )
+                    else:
+                        log.warning("dead letter not sent: %s", _describe(exc))
+                        failed.append((record, verdict))
+                except BufferError as exc:
+                    # The producer's queue is full: sent again after the flush.
+                    log.warning("dead letter not sent: %s", exc)
+                    failed.append((record, verdict))
             left = self._producer.flush(DEAD_LETTER_WAIT_SECONDS)
             if left == 0 and not failed:
                 return []
@@ -694,6 +721,11 @@ def _text_or_bytes(value: bytes) -> str | bytes:
 
 def _shown(partitions: Sequence[TopicPartition]) -> str:
     return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions) or "nothing"
+
+
+def _error_code(exc: KafkaException) -> int | None:
+    error = exc.args[0] if exc.args else None
+    return error.code() if isinstance(error, KafkaError) else None
 
 
 def _describe(exc: KafkaException) -> str:
