@@ -217,6 +217,18 @@ def test_an_existing_durable_with_the_configured_filter_is_used(make_app, jetstr
     assert jetstream.pending() == (0, 0)
 
 
+def test_an_existing_durable_with_a_delivery_limit_is_used_and_warned_about(
+    make_app, jetstream, caplog
+):
+    # Every nak counts towards max_deliver: past it a message is never stored.
+    _add_durable(jetstream, filter_subject=f"{jetstream.prefix}.paid", max_deliver=5)
+    app = _app(make_app, jetstream, filter_subject=f"{jetstream.prefix}.paid")
+    jetstream.publish([_message(1)])
+    with caplog.at_level("WARNING", logger="webhook_receiver"), consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+    assert "has max_deliver 5" in caplog.text
+
+
 def test_a_dead_letter_subject_no_stream_takes_is_warned_about_at_start(
     make_app, jetstream, caplog
 ):

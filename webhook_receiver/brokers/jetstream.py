@@ -351,6 +351,20 @@ class JetStreamConsumer(batch.Consumer):
                 f"{self.source.stream} {self.source.durable}) for consume to create it, "
                 "or change the source's config"
             )
+        if config.max_deliver is not None and config.max_deliver > 0:
+            # Every nak counts (a database outage's, a dead letter's retry):
+            # past the limit JetStream stops delivering a message never stored.
+            log.warning(
+                "source %s: durable consumer %r of stream %r has max_deliver %d: a message "
+                "nak-ed that often (the database away, a dead letter not published) is "
+                "never delivered again, nor stored; leave it unlimited (-1) or far above "
+                "the outages to ride out",
+                self.source.name,
+                self.source.durable,
+                self.source.stream,
+                config.max_deliver,
+                extra={"source": self.source.name},
+            )
 
     async def _check_dead_letter_subject(self, js: Any) -> None:
         # Not fatal: the stream may be created later. Until then a dead letter
