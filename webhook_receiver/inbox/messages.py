@@ -8,6 +8,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
+import orjson
 from sqlalchemy import String
 
 from ..models import Event
@@ -210,6 +211,14 @@ def _meta_unstorable(meta: Mapping[str, Any]) -> bool:
             keys = "\x00"
         if "\x00" not in keys and keys.isascii():
             return False
+    # A nested value (a broker's properties, say): one C call reads it all.
+    # orjson refuses a lone surrogate, a key that is no text and an integer
+    # past 64 bits, and writes a NUL as \u0000; only then is it walked.
+    try:
+        if b"\\u0000" not in orjson.dumps(meta):
+            return False
+    except TypeError:  # orjson.JSONEncodeError
+        pass
     return _json_reason(meta) is not None
 
 
