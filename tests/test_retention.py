@@ -29,7 +29,7 @@ from webhook_receiver.outbox import deliveries
 from webhook_receiver.retention import PurgeReport, purge
 
 from .conftest import CLIENTS, SECRET_KEY
-from .helpers import count, event_row
+from .helpers import count, event_row, waited_on_a_lock
 from .servers import ROOT, app_env
 
 GENERIC = {"provider": "generic", "secrets": ["s" * 16], "signature_header": "X-Sig"}
@@ -303,24 +303,11 @@ def _purge_while_a_write_waits(app, write: str, params: dict) -> PurgeReport:
         with app.app_context():
             report.append(purge(utcnow(), 10))
 
-    with db.engine.connect() as writer, db.engine.connect() as watcher:
+    with db.engine.connect() as writer:
         writer.execute(text(write), params)  # in its transaction: not committed
         thread = threading.Thread(target=run_purge)
         thread.start()
-        waited = False
-        for _ in range(200):
-            waited = bool(
-                watcher.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND datname = current_database()"
-                    )
-                ).scalar()
-            )
-            if waited:
-                break
-            watcher.rollback()
-            thread.join(0.05)
+        waited = waited_on_a_lock(db.engine, thread)
         writer.commit()
         thread.join(30)
     assert waited and not thread.is_alive() and report

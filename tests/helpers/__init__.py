@@ -153,3 +153,21 @@ def post_hmac(
         "Content-Type": content_type,
     }
     return post_webhook(client, source, body, headers)
+
+
+def waited_on_a_lock(engine: Any, thread: Any, tries: int = 200) -> bool:
+    """Poll until a session of ``engine``'s database waits on a lock (``thread``'s statement
+    blocked behind an uncommitted write), ``thread`` waited on between polls; True if one did."""
+    from sqlalchemy import text
+
+    query = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND datname = current_database()"
+    )
+    with engine.connect() as watcher:
+        for _ in range(tries):
+            if watcher.execute(query).scalar():
+                return True
+            watcher.rollback()
+            thread.join(0.05)
+    return False

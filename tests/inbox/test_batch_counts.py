@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, text
+from sqlalchemy import event, select
 from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
@@ -24,7 +24,7 @@ from webhook_receiver.extensions import db
 from webhook_receiver.inbox import batch_statements, batch_writes, duplicates, statements
 from webhook_receiver.models import Event, EventConflict, EventDuplicate, utcnow
 
-from ..helpers import RABBIT_SOURCE
+from ..helpers import RABBIT_SOURCE, waited_on_a_lock
 from .test_positions import SOURCE, WHEN, _config, _count, _failing, _sqlite, at, message
 
 PATHS = {"fast": {}, "core": {"fast": False}}
@@ -217,21 +217,7 @@ def test_a_key_taken_while_the_statement_waited_is_counted_after_it(make_app):
 
         thread = threading.Thread(target=batch)
         thread.start()
-        waited = False
-        with db.engine.connect() as watcher:  # until the batch waits on the row
-            for _ in range(200):
-                waited = bool(
-                    watcher.execute(
-                        text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND datname = current_database()"
-                        )
-                    ).scalar()
-                )
-                if waited:
-                    break
-                watcher.rollback()
-                thread.join(0.05)
+        waited = waited_on_a_lock(db.engine, thread)  # until the batch waits on the row
         db.session.commit()
         thread.join(30)
         assert waited and not thread.is_alive()

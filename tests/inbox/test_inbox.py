@@ -29,6 +29,7 @@ from webhook_receiver.inbox import logs, statements, tables
 from webhook_receiver.models import Delivery, Event, EventConflict
 
 from ..conftest import CLIENTS
+from ..helpers import waited_on_a_lock
 from ..rows import event_row
 from ..webhooks.signing import hmac_hex
 
@@ -591,21 +592,7 @@ def test_a_batch_settles_a_key_committed_by_another_while_its_statement_waited(m
 
         thread = threading.Thread(target=batch)
         thread.start()
-        waited = False
-        with db.engine.connect() as watcher:  # until the batch waits on the row
-            for _ in range(200):
-                waited = bool(
-                    watcher.execute(
-                        text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND datname = current_database()"
-                        )
-                    ).scalar()
-                )
-                if waited:
-                    break
-                watcher.rollback()
-                thread.join(0.05)
+        waited = waited_on_a_lock(db.engine, thread)  # until the batch waits on the row
         db.session.commit()
         thread.join(30)
         assert waited and not thread.is_alive()
