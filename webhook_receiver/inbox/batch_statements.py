@@ -41,6 +41,17 @@ def latest(given: Iterable[Position]) -> Positions:
     return {(p.source, p.topic, p.partition): p.next_offset for p in given}
 
 
+def in_key_order(moved: Positions) -> list[tuple[tuple[str, str, int], int]]:
+    """``moved``'s positions sorted by their keys: the order every batch upserts them in.
+
+    Each upsert locks its row until the commit; consumers of one source
+    whose batches move the same partitions (a rebalance) then wait for each
+    other rather than each hold a row the other waits for (a deadlock). A
+    batch moves a few partitions: the sort costs next to nothing.
+    """
+    return sorted(moved.items())
+
+
 class BatchStatements:
     """The riders' statements of one engine."""
 
@@ -61,7 +72,7 @@ class BatchStatements:
             self.ridden_batch = RiddenBatch(statements_for_engine(engine).batch_insert)
 
     def position_rows(self, moved: Positions, now: datetime) -> list[dict[str, Any]]:
-        """The upsert's rows (Core) for ``moved``."""
+        """The upsert's rows (Core) for ``moved``, in the order of their keys (see in_key_order)."""
         return [
             {
                 "source": source,
@@ -70,7 +81,7 @@ class BatchStatements:
                 "next_offset": offset,
                 "updated_at": now,
             }
-            for (source, topic, partition), offset in moved.items()
+            for (source, topic, partition), offset in in_key_order(moved)
         ]
 
 
@@ -164,6 +175,7 @@ class RiddenBatch:
         copies. ``count``: write the redeliveries' rows.
         """
         times: dict[datetime, datetime | None] = {}
+        moves = in_key_order(moved)
         copies: list[Message] = []
         if len(first) < len(messages):  # a key comes again
             copies = [m for i, m in enumerate(messages) if first[(m.source, m.dedup_key)] != i]
@@ -178,10 +190,10 @@ class RiddenBatch:
             "c_at": [times[m.received_at or now] for m in copies],
             "c_write": count,
             "total": len(messages),
-            "p_source": [source for source, _, _ in moved],
-            "p_topic": [topic for _, topic, _ in moved],
-            "p_partition": [partition for _, _, partition in moved],
-            "p_offset": list(moved.values()),
+            "p_source": [source for (source, _, _), _ in moves],
+            "p_topic": [topic for (_, topic, _), _ in moves],
+            "p_partition": [partition for (_, _, partition), _ in moves],
+            "p_offset": [offset for _, offset in moves],
             "p_at": _UTC_BIND(now, None),
         }
 

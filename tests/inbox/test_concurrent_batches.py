@@ -1,0 +1,167 @@
+"""Batches stored at once by several consumers: their keys' locks, and the conflicts between them.
+
+Every test runs on SQLite and PostgreSQL; SQLite has one write lock for
+the whole database (a writer waits for the other to commit), PostgreSQL a
+lock per key, taken by each row the batch's INSERT writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from webhook_receiver import inbox
+from webhook_receiver.extensions import db
+
+from .test_positions import SOURCE, _config, _sqlite, at, message
+
+
+def _sessions_waiting_on_a_lock(engine: Any, wanted: int, threads: list[Any]) -> bool:
+    """Poll (10 s at most) until ``wanted`` sessions wait on a lock; False if they never do."""
+    query = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND datname = current_database()"
+    )
+    deadline = time.monotonic() + 10
+    with engine.connect() as watcher:
+        while time.monotonic() < deadline:
+            if watcher.execute(query).scalar() >= wanted:
+                return True
+            watcher.rollback()
+            if not all(thread.is_alive() for thread in threads):
+                return False  # one ended (stored, or failed) without waiting
+            threads[0].join(0.01)
+    return False
+
+
+def _storing(
+    app: Any, keys: list[str], results: dict[str, Any], positions: Sequence[inbox.Position] = ()
+) -> threading.Thread:
+    """A thread that stores the batch of ``keys`` (a consumer), its outcomes or error in results."""
+
+    def store() -> None:
+        with app.app_context():
+            try:
+                results[",".join(keys)] = inbox.receive_many(
+                    [message(k) for k in keys], positions=positions
+                )
+            except Exception as exc:  # what the test looks at
+                results[",".join(keys)] = exc
+
+    thread = threading.Thread(target=store, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_overlapping_batches_in_opposite_orders_wait_rather_than_deadlock(make_app, caplog):
+    # Two consumers store batches whose keys overlap, in opposite orders. Each
+    # batch's INSERT locks its rows' keys one after the other: in the order
+    # the messages came, the first batch held "a" and waited for "c", which
+    # the second held while it waited for "a": PostgreSQL's deadlock
+    # (SQLSTATE 40P01), taken for the database being away (a back-off, a 503).
+    # Taken in one order (the keys sorted), the second batch waits for the
+    # first one's commit and finds its keys stored. A held key ("b", an
+    # uncommitted event) pauses the first batch between its keys, so that the
+    # second starts while the first holds "a": the interleaving of a deadlock.
+    app = make_app(_config())
+    caplog.set_level(logging.INFO, logger="webhook_receiver")
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per key: one writer at a time, no deadlock")
+        held = inbox.add(message("b"))  # this session's transaction, not committed
+        assert held is not None
+        results: dict[str, Any] = {}
+        first = _storing(app, ["a", "b", "c"], results)
+        assert _sessions_waiting_on_a_lock(db.engine, 1, [first])  # on "b", "a" inserted
+        second = _storing(app, ["c", "a"], results)
+        assert _sessions_waiting_on_a_lock(db.engine, 2, [first, second])
+        db.session.rollback()  # "b" let go: the first batch goes on
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive()
+        stored = results["a,b,c"]
+        assert not isinstance(stored, Exception), stored
+        assert all(type(outcome) is inbox.Accepted for outcome in stored)
+        ids = {key: outcome.event_id for key, outcome in zip("abc", stored, strict=True)}
+        # Outcomes in the caller's order, whatever order the rows were written in.
+        again = results["c,a"]
+        assert not isinstance(again, Exception), again
+        assert again == [inbox.Duplicate(ids["c"]), inbox.Duplicate(ids["a"])]
+    # No deadlock happened, and none was retried.
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+def test_batches_moving_the_same_partitions_in_opposite_orders_wait_rather_than_deadlock(
+    make_app, caplog
+):
+    # Two consumers of one source (a rebalance) move the same partitions, in
+    # opposite orders: each position's upsert locks its row until the batch
+    # commits. A held row (partition 1, updated in an open transaction)
+    # pauses the first batch between its positions, so that the second
+    # starts while the first holds partition 0: the interleaving of a
+    # deadlock, unless both take the rows in one order.
+    app = make_app(_config())
+    caplog.set_level(logging.INFO, logger="webhook_receiver")
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per row: one writer at a time, no deadlock")
+        inbox.receive_many([], positions=[at(0, 1), at(1, 1), at(2, 1)])
+        db.session.execute(text("UPDATE broker_positions SET next_offset = 2 WHERE partition = 1"))
+        results: dict[str, Any] = {}
+        first = _storing(app, ["p"], results, [at(0, 5), at(1, 5), at(2, 5)])
+        assert _sessions_waiting_on_a_lock(db.engine, 1, [first])  # on partition 1
+        second = _storing(app, ["q"], results, [at(2, 6), at(0, 6)])
+        assert _sessions_waiting_on_a_lock(db.engine, 2, [first, second])
+        db.session.rollback()  # partition 1 let go: the first batch goes on
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive()
+        assert not isinstance(results["p"], Exception), results["p"]
+        assert not isinstance(results["q"], Exception), results["q"]
+        moved = inbox.stored_positions(SOURCE)
+        assert moved == {("orders", 0): 6, ("orders", 1): 5, ("orders", 2): 6}
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+def test_a_batch_in_any_order_is_settled_per_message_and_against_a_key_s_first_copy(
+    make_app,
+):
+    # The batch's new rows go to the database in one order of their keys;
+    # outcomes still come back in the caller's order, and a key repeated in
+    # the batch is settled against its first copy, wherever it sorts.
+    app = make_app(_config())
+    with app.app_context():
+        stored = inbox.receive(message("m"))
+        assert isinstance(stored, inbox.Accepted)
+        batch = [
+            message("z"),
+            message("m", fingerprint="b" * 64),  # a conflict with the stored event
+            message("a"),
+            message("z", fingerprint="c" * 64),  # a conflict with the batch's first "z"
+            message("a"),  # a duplicate of the batch's first "a"
+            message("k"),
+        ]
+        outcomes = inbox.receive_many(batch)
+        assert [type(o) for o in outcomes] == [
+            inbox.Accepted,
+            inbox.Conflict,
+            inbox.Accepted,
+            inbox.Conflict,
+            inbox.Duplicate,
+            inbox.Accepted,
+        ]
+        z, a, k = outcomes[0].event_id, outcomes[2].event_id, outcomes[5].event_id
+        assert outcomes[1].event_id == stored.event_id
+        assert outcomes[3].event_id == z and outcomes[4].event_id == a
+        db.session.rollback()
+        rows = db.session.execute(
+            text("SELECT dedup_key, id FROM events WHERE dedup_key IN ('z', 'a', 'k')")
+        ).all()
+        db.session.rollback()
+        assert dict(rows) == {"z": z, "a": a, "k": k}
