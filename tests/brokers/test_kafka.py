@@ -361,3 +361,49 @@ def test_a_poison_record_too_large_to_copy_does_not_stop_the_consumer(make_app, 
         assert wait_until(lambda: count_events(app) == 1 and kafka_topic.lag() == 0, 30)
         assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
     assert _positions(app) == {(kafka_topic.name, 0): 2}  # its offset moved on
+
+
+@pytest.mark.parametrize("way_out", ["topic-missing", "consume-error"])
+def test_a_session_s_consumer_is_closed_however_the_session_ends(
+    make_app, kafka_bootstrap, monkeypatch, way_out
+):
+    # A session that ends on an error must close its consumer all the same:
+    # left open, it stays in the group (its partitions wait for its session
+    # to expire) and keeps librdkafka's threads, one more each back-off.
+    from confluent_kafka import KafkaError, KafkaException
+
+    from webhook_receiver.brokers import kafka as adapter
+
+    made: list[Any] = []
+
+    class Recorded(adapter.Consumer):  # type: ignore[misc]
+        def __init__(self, settings: dict[str, Any]) -> None:
+            super().__init__(settings)
+            self.closed = False
+            self.failed = way_out != "consume-error" or bool(made)
+            made.append(self)
+
+        def consume(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.failed:
+                # The first session's first consume(), in the group by now.
+                self.failed = True
+                raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+            return super().consume(*args, **kwargs)
+
+        def close(self) -> None:
+            self.closed = True
+            super().close()
+
+    monkeypatch.setattr(adapter, "Consumer", Recorded)
+    topic = Topic(kafka_bootstrap, f"wr-test-{uuid.uuid4().hex[:10]}")
+    if way_out == "consume-error":
+        topic.create()
+        topic.publish([record(1)])
+    app = make_app({"sources": {SOURCE: kafka_source(topic)}})
+    with consuming(app, SOURCE):
+        # A second session has started: the first one has ended.
+        assert wait_until(lambda: len(made) >= 2, 30)
+        if way_out == "consume-error":
+            assert wait_until(lambda: count_events(app) == 1, 30)
+        assert made[0].closed
+    assert all(consumer.closed for consumer in made)

@@ -217,13 +217,24 @@ class KafkaConsumer(batch.Consumer):
                 finally:
                     # Stopping or not, the batch in hand is committed and settled first.
                     self._finish_inflight()
-            consumer.close()  # leaves the group: its partitions go to the others now
         finally:
             self._pool = None
+            # On every way out (a stop, a missing topic, an error): leaves the
+            # group, so its partitions go to the others now, and frees its threads.
+            self._close(consumer)
             self._consumer = None
             if self._producer is not None:
                 self._producer.flush(5)
                 self._producer = None
+
+    def _close(self, consumer: Any) -> None:
+        try:
+            consumer.close()
+        except Exception:
+            # Not raised over the error that ended the session, if any.
+            log.exception(
+                "source %s: the consumer could not be closed", self.source.name, extra=self._extra()
+            )
 
     def _check_topics(self, consumer: Any) -> None:
         metadata = consumer.list_topics(timeout=METADATA_SECONDS)
