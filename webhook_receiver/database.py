@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from flask import Flask, current_app, has_app_context
@@ -180,6 +180,13 @@ _AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED})
 # 256 MB). psycopg files it under OperationalError, but the statement is at
 # fault, not the database: sent again, it fails again.
 _PROGRAM_LIMIT_CLASS = "54"
+# deadlock_detected and serialization_failure: the transaction lost a race
+# with another one and was rolled back; run again, it is expected to pass.
+_CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
+# How many times a unit of work that loses such a race is run in all.
+CONFLICT_ATTEMPTS = 3
+
+Result = TypeVar("Result")
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -192,7 +199,11 @@ def is_unavailable(exc: BaseException) -> bool:
     its timeout is a busy database too. So is a statement cancelled by the
     statement timeout (SQLSTATE 57014), whatever class the driver gives it.
     A statement past one of PostgreSQL's limits (SQLSTATE class 54, an
-    OperationalError to psycopg) is not: it is the statement's fault.
+    OperationalError to psycopg) is not: it is the statement's fault. A
+    deadlock or serialization failure (is_conflict, an OperationalError to
+    psycopg) is a busy database here: ``retrying_conflicts`` runs the unit
+    of work again at once first, so only one that outlasts its attempts
+    comes this far.
     """
     if isinstance(exc, PoolTimeout):
         return True
@@ -206,6 +217,50 @@ def is_unavailable(exc: BaseException) -> bool:
             and not exc.connection_invalidated
         )
     return bool(exc.connection_invalidated) or sqlstate in _AWAY_SQLSTATES
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Tell a transaction rolled back for a race with another (a deadlock, a serialization failure).
+
+    SQLSTATE 40P01 or 40001, on a connection still open: the database is
+    there, the transaction lost to a concurrent one. Run again at once, it
+    is expected to pass (``retrying_conflicts``).
+    """
+    return (
+        isinstance(exc, DBAPIError)
+        and not exc.connection_invalidated
+        and getattr(exc.orig, "sqlstate", None) in _CONFLICT_SQLSTATES
+    )
+
+
+def retrying_conflicts(
+    work: Callable[[], Result], *, attempts: int = CONFLICT_ATTEMPTS, what: str = "transaction"
+) -> Result:
+    """Run ``work``, again at once while it loses a race (is_conflict): ``attempts`` times at most.
+
+    ``work`` must be a whole unit of work that commits or raises with
+    nothing committed it would not find again, so that running it again is
+    safe: ``inbox.receive_many`` (the one place that retries). A conflict
+    that outlasts the attempts is raised, and answered as a busy database
+    (``is_unavailable``: 503, a broker's back-off). Each retry logs one
+    WARNING (``retrying``), with the error.
+    """
+    attempt = 1
+    while True:
+        try:
+            return work()
+        except DBAPIError as exc:
+            if attempt >= attempts or not is_conflict(exc):
+                raise
+            attempt += 1
+            log.warning(
+                "%s lost a race with another (%s), retrying at once (attempt %d of %d)",
+                what,
+                str(exc.orig).splitlines()[0] if exc.orig else exc,
+                attempt,
+                attempts,
+                extra={"sqlstate": getattr(exc.orig, "sqlstate", None), "attempt": attempt},
+            )
 
 
 def _postgresql_connect_params(

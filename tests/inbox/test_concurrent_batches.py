@@ -10,16 +10,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from webhook_receiver import inbox
+from webhook_receiver.brokers import batch as broker_batch
+from webhook_receiver.database import CONFLICT_ATTEMPTS, is_conflict, is_unavailable
 from webhook_receiver.extensions import db
+from webhook_receiver.models import Event
 
-from .test_positions import SOURCE, _config, _sqlite, at, message
+from ..helpers import RABBIT_SOURCE
+from .test_positions import SOURCE, _config, _count, _sqlite, at, message
 
 
 def _sessions_waiting_on_a_lock(engine: Any, wanted: int, threads: list[Any]) -> bool:
@@ -165,3 +171,124 @@ def test_a_batch_in_any_order_is_settled_per_message_and_against_a_key_s_first_c
         ).all()
         db.session.rollback()
         assert dict(rows) == {"z": z, "a": a, "k": k}
+
+
+def test_a_batch_chosen_as_a_deadlock_s_victim_is_stored_again_at_once(make_app, caplog):
+    # A deadlock the key order cannot prevent (another transaction taking
+    # keys in an order of its own): PostgreSQL rolls one transaction back
+    # (SQLSTATE 40P01). The batch it chose was taken for the database being
+    # away (a back-off, a 503); it is run again at once, and stored. Three
+    # sessions make the deadlock, the batch always its victim: "b" held by
+    # one pauses the batch after "a"; the other, holding "c", waits for "a"
+    # (its own deadlock check put off for a minute); "b" let go, the batch
+    # waits for "c" and, its check first, finds the cycle.
+    app = make_app(_config())
+    caplog.set_level(logging.INFO, logger="webhook_receiver")
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per key: one writer at a time, no deadlock")
+        engine = db.engine
+        pausing, crossing = engine.connect(), engine.connect()
+        try:
+            pausing.execute(text("SET LOCAL deadlock_timeout = '60s'"))
+            crossing.execute(text("SET LOCAL deadlock_timeout = '60s'"))
+            _insert(pausing, "b")
+            _insert(crossing, "c")
+            results: dict[str, Any] = {}
+            batch = _storing(app, ["a", "b", "c"], results)
+            assert _sessions_waiting_on_a_lock(engine, 1, [batch])  # on "b", "a" inserted
+            cross = threading.Thread(target=_insert, args=(crossing, "a"), daemon=True)
+            cross.start()
+            assert _sessions_waiting_on_a_lock(engine, 2, [batch, cross])  # "c"'s on "a"
+            pausing.rollback()  # the batch goes on to "c": the cycle
+            cross.join(30)  # the batch rolled back, "a" is the other session's
+            assert not cross.is_alive()
+            assert _sessions_waiting_on_a_lock(engine, 1, [batch]), results  # tried again
+            crossing.rollback()
+            batch.join(30)
+            assert not batch.is_alive()
+        finally:
+            pausing.close()
+            crossing.close()
+        stored = results["a,b,c"]
+        assert not isinstance(stored, Exception), stored
+        assert [type(outcome) for outcome in stored] == [inbox.Accepted] * 3
+    retried = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retried) == 1 and retried[0].levelno == logging.WARNING
+    assert "deadlock detected" in retried[0].getMessage()
+
+
+def _insert(conn: Any, key: str) -> None:
+    """Insert an event under ``key`` in ``conn``'s open transaction (a row lock on its key)."""
+    conn.execute(
+        text(
+            "INSERT INTO events (source, dedup_key, fingerprint, body, headers, meta, received_at) "
+            "VALUES (:source, :key, :print, '', '[]', '{}', now())"
+        ),
+        {"source": SOURCE, "key": key, "print": "a" * 64},
+    )
+
+
+@contextmanager
+def _losing_races(sqlstate: str, times: int) -> Iterator[Any]:
+    """The first ``times`` rows inserted into events fail with ``sqlstate`` (a lost race)."""
+    db.session.rollback()
+    with db.engine.begin() as conn:
+        conn.execute(text("CREATE SEQUENCE lost_races"))
+        conn.execute(
+            text(
+                "CREATE FUNCTION lose_race() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                f"BEGIN IF nextval('lost_races') <= {times} THEN "
+                f"RAISE EXCEPTION 'injected race' USING ERRCODE = '{sqlstate}'; END IF; "
+                "RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER lose_race BEFORE INSERT ON events "
+                "FOR EACH ROW EXECUTE FUNCTION lose_race()"
+            )
+        )
+
+    def tries() -> int:
+        """How many times the trigger ran (a row inserted, or its statement failed)."""
+        with db.engine.connect() as conn:
+            return int(conn.execute(text("SELECT last_value FROM lost_races")).scalar_one())
+
+    try:
+        yield tries
+    finally:
+        with db.engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER lose_race ON events"))
+            conn.execute(text("DROP FUNCTION lose_race()"))
+            conn.execute(text("DROP SEQUENCE lost_races"))
+
+
+@pytest.mark.parametrize("sqlstate", ["40P01", "40001"])
+def test_a_batch_that_loses_a_race_is_stored_again_at_once_a_bounded_number_of_times(
+    make_app, caplog, sqlstate
+):
+    # A deadlock (40P01) or a serialization failure (40001) rolls the batch
+    # back: a transient conflict, not the database away. The batch is stored
+    # again at once; a conflict that outlasts CONFLICT_ATTEMPTS is raised,
+    # and answered as a busy database (a 503, a broker's back-off).
+    app = make_app(_config())
+    caplog.set_level(logging.INFO, logger="webhook_receiver")
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has neither deadlocks nor serialization failures")
+        with _losing_races(sqlstate, CONFLICT_ATTEMPTS - 1) as tries:
+            verdicts = broker_batch.store(
+                RABBIT_SOURCE, broker_batch.Prepared([message("x"), message("y")], [None, None])
+            )
+            # Each failed attempt ran the trigger once (its first row), the last one twice.
+            assert tries() == CONFLICT_ATTEMPTS - 1 + 2
+        assert [v.action for v in verdicts] == ["ack", "ack"]
+        retried = [r for r in caplog.records if "retrying" in r.getMessage()]
+        assert len(retried) == CONFLICT_ATTEMPTS - 1
+        with _losing_races(sqlstate, 1000) as tries:
+            with pytest.raises(DBAPIError) as raised:
+                inbox.receive_many([message("z")])
+            assert tries() == CONFLICT_ATTEMPTS
+        assert is_conflict(raised.value) and is_unavailable(raised.value)
+        assert _count(Event) == 2

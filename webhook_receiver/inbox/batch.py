@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from sqlalchemy.engine import Connection, Engine
 
-from ..database import autocommit_connection, transaction, writer_turn
+from ..database import autocommit_connection, retrying_conflicts, transaction, writer_turn
 from ..database_driver import driver_cursor
 from ..extensions import db
 from ..models import utcnow
@@ -52,6 +52,8 @@ def receive_many(
     with the read of the keys already taken, are one statement, which is
     then the whole transaction (conflicts are compared and kept in a second one). A key
     repeated inside the batch is settled against its first occurrence.
+    A batch that loses a race with another transaction (a deadlock, a
+    serialization failure) is stored again at once (database.retrying_conflicts).
     Raises the database's error when it is away or locked: nothing was
     committed, or on PostgreSQL only the new events, when keeping a
     conflict failed after them (sent again, they are duplicates, and the
@@ -100,7 +102,9 @@ def receive_many(
         first.setdefault((message.source, message.dedup_key), index)
     batch = Batch(messages, first, now, content_fingerprint, moved, counts_in_transaction)
     try:
-        outcomes, new_ids, conflicts = _store_batch(engine, statements, batch, all_or_nothing, fast)
+        outcomes, new_ids, conflicts = retrying_conflicts(
+            lambda: _store_batch(engine, statements, batch, all_or_nothing, fast), what="batch"
+        )
     except _Refused as refused:
         outcomes, new_ids, conflicts = refused.args
         # Only a conflict with an event stored before the batch can be kept:
