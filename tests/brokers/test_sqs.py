@@ -379,3 +379,111 @@ def test_dead_letters_too_large_for_one_send_message_batch_are_sent_all_the_same
     dead = sqs_queue.receive_all(sqs_queue.dead_url)
     assert sorted(d["Body"] for d in dead) == sorted(e["MessageBody"] for e in big)
     assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 4
+
+
+def _dead_letter_queue_max(queue: SqsQueue, size: int) -> None:
+    queue.client().set_queue_attributes(
+        QueueUrl=queue.dead_url, Attributes={"MaximumMessageSize": str(size)}
+    )
+
+
+def test_a_dead_letter_too_long_for_the_dead_letter_queue_is_deleted_without_a_copy(
+    make_app, sqs_queue: SqsQueue, caplog
+):
+    # The dead-letter queue takes 1,024 bytes at most (SQS's least): the
+    # 2,000-byte poison message's copy is refused for good. It was retried
+    # every 5 s for ever, with the small poison message sent in the same
+    # call (SQS refuses the whole call for one entry), and neither reached it.
+    _dead_letter_queue_max(sqs_queue, 1024)
+    small = _entry(None, json.dumps({"n": 1}).encode())
+    large = _entry(None, json.dumps({"n": 2, "pad": "x" * 2000}).encode())
+    sqs_queue.send([small, large, _entry("m-3", _body(3))])
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 20)
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 20)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 2, 10)
+    [copy] = sqs_queue.receive_all(sqs_queue.dead_url)
+    assert copy["Body"] == small["MessageBody"]
+    assert copy["MessageAttributes"]["dead-letter-reason"]["StringValue"] == "dedup-key-missing"
+    refused = [r for r in caplog.records if "was refused (" in r.getMessage()]
+    assert [r.levelno for r in refused] == [logging.ERROR]
+    assert "Message must be shorter than 1024 bytes" in refused[0].getMessage()
+    assert "the message is deleted without one" in refused[0].getMessage()
+    assert _rejections(app) == {"dedup-key-missing": 2}
+
+
+class _CountingAttributes:
+    """The consumer's SQS client, its sends sized as SQS sizes them (moto counts the body only).
+
+    SQS counts each message attribute's name, type and value towards the
+    queue's MaximumMessageSize, and refuses a longer message with moto's
+    error; what fits is sent to moto.
+    """
+
+    def __init__(self, client: Any, limit: int) -> None:
+        self._client, self._limit = client, limit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def send_message_batch(self, **call: Any) -> Any:
+        import botocore.exceptions
+
+        for entry in call["Entries"]:
+            size = len(entry["MessageBody"].encode())
+            for name, value in (entry.get("MessageAttributes") or {}).items():
+                size += len(name) + len(value["DataType"]) + len(value["StringValue"])
+            if size > self._limit:
+                error = {
+                    "Code": "InvalidParameterValue",
+                    "Message": "One or more parameters are invalid. Reason: Message must be "
+                    f"shorter than {self._limit} bytes.",
+                }
+                raise botocore.exceptions.ClientError({"Error": error}, "SendMessageBatch")
+        return self._client.send_message_batch(**call)
+
+
+def test_a_dead_letter_the_reason_attribute_makes_too_long_is_sent_without_it(
+    make_app, sqs_queue: SqsQueue, monkeypatch, caplog
+):
+    # Both queues take 1,024 bytes: a poison message of 1,000 bytes with
+    # its type attribute fits; its copy, with the reason attribute, does not.
+    from webhook_receiver.brokers.sqs import SqsConsumer
+
+    _dead_letter_queue_max(sqs_queue, 1024)
+    made = SqsConsumer._client
+    monkeypatch.setattr(SqsConsumer, "_client", lambda self: _CountingAttributes(made(self), 1024))
+    near = _entry(None, json.dumps({"pad": "x" * 989}).encode())
+    assert len(near["MessageBody"]) == 1000
+    sqs_queue.send([near, _entry("m-1", _body(1))])
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: sqs_queue.counts(sqs_queue.dead_url)[0] == 1, 20)
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 20)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    assert count_events(app) == 1
+    [copy] = sqs_queue.receive_all(sqs_queue.dead_url)
+    assert copy["Body"] == near["MessageBody"]
+    assert copy["MessageAttributes"] == near["MessageAttributes"]  # unchanged, no reason
+    assert "was refused with its dead-letter-reason attribute" in caplog.text
+    assert "dedup-key-missing" in caplog.text
+    assert "deleted without one" not in caplog.text
+
+
+def _rejections(app: Any) -> dict[str, int]:
+    """The admin's Rejections for the source: reason -> how many."""
+    from sqlalchemy import func
+
+    from webhook_receiver.models import Rejection
+
+    with app.app_context():
+        found = db.session.execute(
+            select(Rejection.reason, func.sum(Rejection.seen_count))
+            .where(Rejection.source == SOURCE)
+            .group_by(Rejection.reason)
+        ).all()
+        db.session.rollback()
+        return {reason: int(count) for reason, count in found}

@@ -56,8 +56,20 @@ _ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, O
 _NO_QUEUE = frozenset(
     {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
 )
+# What SQS answers for a message refused for what it holds (too long, most
+# often), the call's or one entry's: permanent, never retried as it was.
+_REFUSED = frozenset(
+    {
+        "InvalidParameterValue",
+        "InvalidMessageContents",
+        "AWS.SimpleQueueService.BatchRequestTooLong",
+        "BatchRequestTooLong",
+    }
+)
 # One message as boto3 hands it over (a dict: MessageId, ReceiptHandle, Body, ...).
 Raw = dict[str, Any]
+# A copy refused for what it holds: the message, its verdict, SQS's words.
+_Refused = tuple[Raw, batch.Verdict, str]
 
 
 class SqsConsumer(PulledConsumer):
@@ -185,40 +197,109 @@ class SqsConsumer(PulledConsumer):
     def _dead_letter(
         self, client: Any, dead: list[tuple[Raw, batch.Verdict]]
     ) -> tuple[list[tuple[Raw, batch.Verdict]], list[Raw]]:
-        """Send copies to the dead-letter queue; (those sent, the messages whose copy failed)."""
-        url = self.source.dead_letter_queue_url
+        """Send copies to the dead-letter queue; (those settled, the messages whose copy failed).
+
+        A copy refused for what it holds (too long: the reason attribute
+        counts towards SQS's size) is sent again without the reason; one
+        refused still is never sent, and its message is settled without one.
+        """
+        url = self.source.dead_letter_queue_url or ""
         sent: list[tuple[Raw, batch.Verdict]] = []
         failed: list[Raw] = []
+        refused: list[_Refused] = []
         for chunk in _send_batches(dead):
-            entries = [
-                _copy(str(n), raw, verdict, url or "") for n, (raw, verdict) in enumerate(chunk)
-            ]
-            try:
-                response = client.send_message_batch(QueueUrl=url, Entries=entries)
-            except _ERRORS as exc:
-                log.error(
-                    "source %s: could not dead-letter to %s (%s); the messages are retried",
+            self._send(client, url, chunk, True, sent, failed, refused)
+        again, refused = refused, []
+        for raw, verdict, why in again:
+            self._send(client, url, [(raw, verdict)], False, sent, failed, refused)
+            if sent and sent[-1][0] is raw:
+                log.warning(
+                    "source %s: the dead-letter copy of message %s was refused with its %s "
+                    "attribute (%s), and sent without it; its reason: %s",
                     self.source.name,
-                    url,
-                    exc,
+                    raw["MessageId"],
+                    DEAD_LETTER_REASON,
+                    why,
+                    verdict.reason,
+                    extra={"source": self.source.name, "reason": verdict.reason},
+                )
+        for raw, verdict, why in refused:
+            # No copy can ever be sent: deleted without one, said loudly,
+            # rather than received and refused again every few seconds, for ever.
+            log.error(
+                "source %s: the dead-letter copy of message %s was refused (%s); "
+                "the message is deleted without one",
+                self.source.name,
+                raw["MessageId"],
+                why,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
+            sent.append((raw, verdict))
+        return sent, failed
+
+    def _send(
+        self,
+        client: Any,
+        url: str,
+        chunk: list[tuple[Raw, batch.Verdict]],
+        with_reason: bool,
+        sent: list[tuple[Raw, batch.Verdict]],
+        failed: list[Raw],
+        refused: list[_Refused],
+    ) -> None:
+        """Send ``chunk``'s copies in one call; each to ``sent``, ``failed`` or ``refused``."""
+        entries = [
+            _copy(str(n), raw, verdict, url, with_reason=with_reason)
+            for n, (raw, verdict) in enumerate(chunk)
+        ]
+        try:
+            response = client.send_message_batch(QueueUrl=url, Entries=entries)
+        except botocore.exceptions.ClientError as exc:
+            error = exc.response.get("Error", {})
+            if error.get("Code") not in _REFUSED:
+                self._not_sent(url, exc, chunk, failed)
+            elif len(chunk) > 1:
+                # SQS refuses the whole call for one entry: each is sent alone to find it.
+                for item in chunk:
+                    self._send(client, url, [item], with_reason, sent, failed, refused)
+            else:
+                refused.append((*chunk[0], error.get("Message") or error.get("Code") or ""))
+            return
+        except _ERRORS as exc:
+            self._not_sent(url, exc, chunk, failed)
+            return
+        failures = {entry["Id"]: entry for entry in response.get("Failed", [])}
+        for n, (raw, verdict) in enumerate(chunk):
+            entry = failures.get(str(n))
+            why = entry and (entry.get("Message") or entry.get("Code"))
+            if entry is None:
+                sent.append((raw, verdict))
+            elif entry.get("SenderFault") and entry.get("Code") in _REFUSED:
+                refused.append((raw, verdict, why or ""))
+            else:
+                log.error(
+                    "source %s: the dead-letter queue refused a copy (%s); the message is retried",
+                    self.source.name,
+                    why,
                     extra={"source": self.source.name},
                 )
-                failed += [raw for raw, _ in chunk]
-                continue
-            refused = {entry["Id"]: entry for entry in response.get("Failed", [])}
-            for n, (raw, verdict) in enumerate(chunk):
-                if str(n) in refused:
-                    log.error(
-                        "source %s: the dead-letter queue refused a copy (%s); "
-                        "the message is retried",
-                        self.source.name,
-                        refused[str(n)].get("Message") or refused[str(n)].get("Code"),
-                        extra={"source": self.source.name},
-                    )
-                    failed.append(raw)
-                else:
-                    sent.append((raw, verdict))
-        return sent, failed
+                failed.append(raw)
+
+    def _not_sent(
+        self,
+        url: str,
+        exc: BaseException,
+        chunk: list[tuple[Raw, batch.Verdict]],
+        failed: list[Raw],
+    ) -> None:
+        log.error(
+            "source %s: could not dead-letter to %s (%s); the messages are retried",
+            self.source.name,
+            url,
+            exc,
+            extra={"source": self.source.name},
+        )
+        failed += [raw for raw, _ in chunk]
 
 
 def _send_batches(
@@ -250,10 +331,12 @@ def _size(raw: Raw) -> int:
     return size
 
 
-def _copy(entry_id: str, raw: Raw, verdict: batch.Verdict, url: str) -> dict[str, Any]:
-    """A dead letter: the body and attributes as received, the reason beside them."""
+def _copy(
+    entry_id: str, raw: Raw, verdict: batch.Verdict, url: str, *, with_reason: bool = True
+) -> dict[str, Any]:
+    """A dead letter: the body and attributes as received, the reason beside them (if it fits)."""
     attributes = dict(raw.get("MessageAttributes") or {})
-    if len(attributes) < MAX_ATTRIBUTES:
+    if with_reason and len(attributes) < MAX_ATTRIBUTES:
         attributes[DEAD_LETTER_REASON] = {
             "DataType": "String",
             "StringValue": verdict.reason or "unknown",
