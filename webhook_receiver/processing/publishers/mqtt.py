@@ -10,10 +10,22 @@ for a session that has subscribed. One client per URL and process (paho's
 network thread, which reconnects by itself), shared by the worker's
 threads; a publish not acknowledged within ``timeout_seconds`` fails and
 is retried with the same ``message-id``.
+
+A message the broker can never take goes dead at once rather than being
+sent: a text (the event type, the correlation id, the content type) with
+a character MQTT's UTF-8 strings refuse (a control character, a
+non-character: Mosquitto drops the connection on one), or a PUBLISH
+larger than the broker's Maximum Packet Size (its CONNACK says it).
+paho keeps every unacknowledged message and sends it again on each
+reconnect: a publish not acknowledged drops the client with its queue,
+so that nothing it sent is sent again behind the delivery's back (nor,
+if the broker cut the connection because of it, on every later
+connection), and the next publish opens a fresh one.
 """
 
 from __future__ import annotations
 
+import re
 import ssl
 import threading
 from typing import Any
@@ -25,11 +37,44 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from ...config import ForwardConfig, redact_url
-from .base import BrokerMessage, PublishError
+from .base import BrokerMessage, PublishError, PublishRefused
 
 SCHEMES = frozenset({"mqtt", "mqtts"})
 # PUBACK's reason when no subscription took the message (MQTT 5, 3.4.2.1).
 NO_MATCHING_SUBSCRIBERS = 16
+# What an MQTT UTF-8 string may not hold (MQTT 5, 1.5.4): U+0000, the
+# control characters and the non-characters, which Mosquitto takes for a
+# malformed packet (and drops the connection); surrogates cannot be encoded.
+_NONCHARACTERS = "".join(chr(plane << 16 | low) for plane in range(17) for low in (0xFFFE, 0xFFFF))
+_NOT_MQTT_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef" + _NONCHARACTERS + "]")
+# An MQTT UTF-8 string holds at most this many bytes.
+_MAX_STRING = 65535
+
+
+def _check_text(what: str, value: str) -> None:
+    """Refuse a text MQTT cannot carry: whatever the attempt, the broker would refuse it."""
+    found = _NOT_MQTT_TEXT.search(value)
+    if found:
+        raise PublishRefused(
+            f"the {what} holds {found.group()!r} (at {found.start()}), which an MQTT "
+            f"UTF-8 string cannot carry: {value[:60]!r}"
+        )
+    if len(value.encode("utf-8")) > _MAX_STRING:
+        raise PublishRefused(f"the {what} is longer than MQTT's {_MAX_STRING} bytes")
+
+
+def _varint_size(value: int) -> int:
+    size = 1
+    while value >= 128:
+        value //= 128
+        size += 1
+    return size
+
+
+def _publish_size(topic: str, properties: Properties, payload: bytes) -> int:
+    """The bytes of the QoS 1 PUBLISH paho sends for this (MQTT 5, 3.3)."""
+    remaining = 2 + len(topic.encode("utf-8")) + 2 + len(properties.pack()) + len(payload)
+    return 1 + _varint_size(remaining) + remaining
 
 
 class _Publisher:
@@ -39,6 +84,8 @@ class _Publisher:
         self.url = forward.url
         self.reasons: dict[int, Any] = {}
         self.connected = threading.Event()
+        # The broker's Maximum Packet Size, from its CONNACK (None: MQTT's own).
+        self.max_packet_size: int | None = None
         client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
         url = urlsplit(forward.url)
         if url.username is not None:
@@ -48,36 +95,68 @@ class _Publisher:
         if url.scheme == "mqtts":
             client.tls_set_context(ssl.create_default_context())
         client.max_inflight_messages_set(1000)
-        client.on_connect = lambda _c, _u, _f, reason, _p: (
-            None if reason.is_failure else self.connected.set()
-        )
+        client.on_connect = self._on_connect
         client.on_disconnect = lambda *_args: self.connected.clear()
         client.on_publish = self._on_publish
         client.connect_async(url.hostname or "127.0.0.1", url.port or _port(url.scheme))
         client.loop_start()
         self.client = client
 
+    def _on_connect(self, _c: Any, _u: Any, _f: Any, reason: Any, properties: Any) -> None:
+        if reason.is_failure:
+            return
+        self.max_packet_size = getattr(properties, "MaximumPacketSize", None)
+        self.connected.set()
+
     def _on_publish(self, _c: Any, _u: Any, mid: int, reason: Any, _p: Any) -> None:
         self.reasons[mid] = reason
 
+    def close(self) -> None:
+        """Disconnect, and end the network thread: its unacknowledged messages go with it."""
+        try:
+            self.client.disconnect()
+        except Exception:
+            pass
+        # Its network thread ends within a second (its select's timeout): not waited for here.
+        threading.Thread(
+            target=self.client.loop_stop, name="mqtt-forward-close", daemon=True
+        ).start()
+
     def publish(self, topic: str, message: BrokerMessage, timeout: float) -> None:
-        if not self.connected.wait(timeout):
-            raise PublishError(f"not connected to {redact_url(self.url)} within {timeout} s")
         properties = Properties(PacketTypes.PUBLISH)
-        properties.ContentType = message.content_type or "application/octet-stream"
+        content_type = message.content_type or "application/octet-stream"
+        properties.ContentType = content_type
         user = [("message-id", message.message_id), ("X-Request-Id", message.correlation_id)]
         if message.event_type:
             user.append(("type", message.event_type))
-        properties.UserProperty = [*user, *message.headers.items()]
+        user += message.headers.items()
+        _check_text("topic", topic)
+        _check_text("content type", content_type)
+        for name, value in user:
+            _check_text(f"{name!r} user property's name", name)
+            _check_text("event type" if name == "type" else f"{name!r} user property", value)
+        properties.UserProperty = user
+        if not self.connected.wait(timeout):
+            raise PublishError(f"not connected to {redact_url(self.url)} within {timeout} s")
+        limit = self.max_packet_size
+        size = _publish_size(topic, properties, message.body)
+        if limit is not None and size > limit:
+            raise PublishRefused(
+                f"the message ({size} bytes, {len(message.body)} of body) is larger than "
+                f"the Maximum Packet Size of {redact_url(self.url)} ({limit} bytes)"
+            )
         info = self.client.publish(topic, message.body, qos=1, properties=properties)
         if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            _drop(self)
             raise PublishError(f"publish to {redact_url(self.url)}: {mqtt.error_string(info.rc)}")
         try:
             info.wait_for_publish(timeout)
         except (RuntimeError, ValueError) as exc:  # paho: the connection went away
+            _drop(self)
             raise PublishError(f"{redact_url(self.url)}: {exc}") from exc
         if not info.is_published():
             self.reasons.pop(info.mid, None)
+            _drop(self)
             raise PublishError(f"no PUBACK from {redact_url(self.url)} within {timeout} s")
         reason = self.reasons.pop(info.mid, None)
         if reason is not None and reason.value == NO_MATCHING_SUBSCRIBERS:
@@ -94,6 +173,14 @@ def _port(scheme: str) -> int:
 
 _publishers: dict[str, _Publisher] = {}
 _lock = threading.Lock()
+
+
+def _drop(publisher: _Publisher) -> None:
+    """Let a publisher whose publish was not acknowledged go: the next one opens a fresh client."""
+    with _lock:
+        if _publishers.get(publisher.url) is publisher:
+            del _publishers[publisher.url]
+    publisher.close()
 
 
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:

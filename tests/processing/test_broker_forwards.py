@@ -1,0 +1,154 @@
+"""Forwards to brokers through the real worker and a real broker: what a broker refuses.
+
+A message a broker can never take must end in a clear failure, and never
+hold back the deliveries after it on the same connection.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .. import mosquitto
+from ..brokers.mqtt_fixtures import client as mqtt_client
+from ..session_server import end, free_port
+from .conftest import FAST, config_with, delivery, drain, forward, store_event
+
+
+def _wait_for(predicate: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+class _Reader:
+    """A session subscribed to a topic (so that the broker keeps what is published to it)."""
+
+    def __init__(self, port: int, topic: str) -> None:
+        self.got: list[tuple[bytes, dict[str, str]]] = []
+        subscribed = threading.Event()
+        self.client = mqtt_client(f"reader-{uuid.uuid4().hex[:8]}")
+        self.client.on_message = lambda _c, _u, m: self.got.append(
+            (m.payload, dict(getattr(m.properties, "UserProperty", []) or []))
+        )
+        self.client.on_subscribe = lambda *_args: subscribed.set()
+        self.client.on_connect = lambda c, *_args: c.subscribe(topic, qos=1)
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        assert subscribed.wait(10), "the reader did not subscribe"
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def mqtt_reader() -> Iterator[tuple[str, str, _Reader]]:
+    """The tests' Mosquitto's URL, a topic of this test's own and a session reading it."""
+    try:
+        broker = mosquitto.broker()
+    except Exception as exc:  # no Mosquitto on this machine
+        pytest.skip(f"Mosquitto: {exc}")
+    topic = f"fwd-{uuid.uuid4().hex[:8]}/events"
+    reader = _Reader(broker.port, topic)
+    try:
+        yield broker.url, topic, reader
+    finally:
+        reader.close()
+
+
+@pytest.fixture
+def small_packet_mqtt() -> Iterator[tuple[str, str, _Reader]]:
+    """A Mosquitto of this test's own, taking packets of 4 KB at most; a topic and its reader."""
+    if not Path(mosquitto.MOSQUITTO).exists():
+        pytest.skip("no Mosquitto on this machine")
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="mosquitto-small-"))
+    folder.chmod(0o1777)
+    (folder / "mosquitto.conf").write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        "max_packet_size 4096\n"
+    )
+    process = subprocess.Popen(
+        [mosquitto.MOSQUITTO, "-c", str(folder / "mosquitto.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert _wait_for(lambda: _listening(port), 15), "mosquitto did not listen"
+        topic = f"fwd-{uuid.uuid4().hex[:8]}/events"
+        reader = _Reader(port, topic)
+        try:
+            yield f"mqtt://127.0.0.1:{port}", topic, reader
+        finally:
+            reader.close()
+    finally:
+        end(process)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+# -- MQTT ----------------------------------------------------------------------
+
+
+def test_mqtt_forward_of_an_event_type_with_a_control_character_goes_dead_and_the_next_is_sent(
+    make_app, clock, make_worker, mqtt_reader
+):
+    # Mosquitto takes a user property holding a control character for a
+    # malformed packet and drops the connection; paho sent the message
+    # again on every reconnect, so every later delivery of the forward
+    # failed too, for ever.
+    url, topic, reader = mqtt_reader
+    app = make_app(config_with([forward("bus", url, topic=topic, timeout_seconds=2)]), **FAST)
+    bad = store_event(app, clock, dedup_key="evt-1", event_type="order\x01paid")
+    good = store_event(app, clock, dedup_key="evt-2", event_type="order.paid")
+    assert drain(app, make_worker(app, clock)) == ["dead", "delivered"]
+    row = delivery(app, bad, "bus")
+    assert row["state"] == "dead"
+    assert "event type" in row["last_error"] and "MQTT" in row["last_error"]
+    assert delivery(app, good, "bus")["state"] == "delivered"
+    assert _wait_for(lambda: len(reader.got) == 1)
+    [(body, props)] = reader.got
+    assert props["message-id"] == "bus:shop:evt-2"
+    assert props["type"] == "order.paid"
+
+
+def test_mqtt_forward_larger_than_the_brokers_maximum_packet_size_goes_dead_and_the_next_is_sent(
+    make_app, clock, make_worker, small_packet_mqtt
+):
+    # Mosquitto drops a client that sends a packet past its max_packet_size
+    # (its CONNACK says the limit); paho sent it again on every reconnect.
+    url, topic, reader = small_packet_mqtt
+    app = make_app(config_with([forward("bus", url, topic=topic, timeout_seconds=2)]), **FAST)
+    big = store_event(app, clock, dedup_key="evt-1", data={"pad": "x" * 5000})
+    small = store_event(app, clock, dedup_key="evt-2")
+    assert drain(app, make_worker(app, clock)) == ["dead", "delivered"]
+    row = delivery(app, big, "bus")
+    assert row["state"] == "dead"
+    assert "Maximum Packet Size" in row["last_error"] and "4096" in row["last_error"]
+    assert delivery(app, small, "bus")["state"] == "delivered"
+    assert _wait_for(lambda: len(reader.got) == 1)
+    assert reader.got[0][1]["message-id"] == "bus:shop:evt-2"
