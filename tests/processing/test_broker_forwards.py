@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from .. import mosquitto
+from ..brokers.cloud_fixtures import PROJECT, pubsub_host, pubsub_subscription  # noqa: F401
 from ..brokers.mqtt_fixtures import client as mqtt_client
 from ..session_server import end, free_port
 from .conftest import FAST, config_with, delivery, drain, forward, store_event
@@ -152,3 +153,26 @@ def test_mqtt_forward_larger_than_the_brokers_maximum_packet_size_goes_dead_and_
     assert delivery(app, small, "bus")["state"] == "delivered"
     assert _wait_for(lambda: len(reader.got) == 1)
     assert reader.got[0][1]["message-id"] == "bus:shop:evt-2"
+
+
+# -- Pub/Sub -------------------------------------------------------------------
+
+
+def test_pubsub_forward_of_a_message_past_pubsubs_10_mb_goes_dead_at_once(
+    make_app,
+    clock,
+    make_worker,
+    pubsub_subscription,  # noqa: F811
+):
+    # The client refuses it before sending (MessageTooLargeError): no attempt
+    # can get past that, and the docs say such a message goes dead at once.
+    topic = pubsub_subscription.name
+    url = f"pubsub://{PROJECT}/{topic}"
+    app = make_app(config_with([forward("topic", url, timeout_seconds=2)]), **FAST)
+    big = store_event(app, clock, dedup_key="evt-1", body=b"x" * (10 * 1024 * 1024 + 1))
+    small = store_event(app, clock, dedup_key="evt-2")
+    assert drain(app, make_worker(app, clock)) == ["dead", "delivered"]
+    row = delivery(app, big, "topic")
+    assert (row["state"], row["attempts"]) == ("dead", 1)
+    assert "too large for Pub/Sub" in row["last_error"]
+    assert delivery(app, small, "topic")["state"] == "delivered"

@@ -19,6 +19,7 @@ from typing import Any
 
 import google.api_core.exceptions as api_exceptions
 from google.cloud import pubsub_v1
+from google.cloud.pubsub_v1.publisher import exceptions as publisher_exceptions
 
 from ...config import ForwardConfig
 from .base import BrokerMessage, PublishError, PublishRefused
@@ -52,6 +53,11 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
     except api_exceptions.InvalidArgument as exc:
         # Too large, or attributes Pub/Sub refuses: whatever the attempt.
         raise PublishRefused(f"Pub/Sub refused the message: {exc}") from exc
+    except publisher_exceptions.MessageTooLargeError as exc:
+        # The client's own check, before anything is sent: past Pub/Sub's 10 MB a request.
+        raise PublishRefused(
+            f"the message ({len(message.body)} bytes of body) is too large for Pub/Sub: {exc}"
+        ) from exc
     except api_exceptions.NotFound as exc:
         raise PublishError(f"no topic {topic_path(forward)!r}: {exc}") from exc
     except Exception as exc:  # a publish future raises whatever failed it
