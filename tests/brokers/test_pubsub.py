@@ -28,7 +28,14 @@ from ..helpers import rows
 from ..helpers.brokers import FORWARDED
 from . import cloud_examples
 from .cloud_fixtures import PROJECT, Subscription, pubsub_source
-from .conftest import consuming, count_events, duplicate_total, stored_keys, wait_until
+from .conftest import (
+    consuming,
+    count_events,
+    dead_letter_count,
+    duplicate_total,
+    stored_keys,
+    wait_until,
+)
 from .running import hold_writers
 from .test_poison import _HYPOTHESIS, _settled_total
 
@@ -327,3 +334,107 @@ def test_a_batch_held_past_half_its_ack_deadline_has_it_extended(
     assert "messages held past half their ack deadline: extended by 10 s" in caplog.text
     assert "could not extend" not in caplog.text
     assert duplicate_total(app) == 0
+
+
+def test_a_poison_message_with_100_attributes_is_dead_lettered_without_a_101st(
+    make_app, pubsub_subscription: Subscription, caplog
+):
+    # Pub/Sub takes 100 attributes per message at most (the emulator takes
+    # more): the copy goes unchanged, its reason in the log. With a 101st
+    # attribute Pub/Sub refused it (InvalidArgument), and the message was
+    # given back and refused again, for ever.
+    subscription = pubsub_subscription
+    attributes = {"type": "order", **{f"a-{n}": str(n) for n in range(99)}}
+    assert len(attributes) == 100
+    subscription.publish([(b'{"n": 0}', attributes), _message(1)])
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    dead: list[Any] = []
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+        assert wait_until(lambda: count_events(app) == 1, 20)
+        assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+    [copy] = dead
+    assert copy.data == b'{"n": 0}'
+    assert dict(copy.attributes) == attributes
+    assert "went without its dead-letter-reason attribute" in caplog.text
+    assert "Pub/Sub's most of 100 attributes" in caplog.text
+    assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 1
+
+
+def test_a_poison_message_s_own_dead_letter_reason_attribute_is_kept(
+    make_app, pubsub_subscription: Subscription, caplog
+):
+    subscription = pubsub_subscription
+    attributes = {"type": "order", "dead-letter-reason": "the producer's"}
+    subscription.publish([(b'{"n": 0}', attributes)])
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    dead: list[Any] = []
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+        assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+    [copy] = dead
+    assert dict(copy.attributes) == attributes
+    assert "the message has one of its own, kept" in caplog.text
+
+
+def test_a_copy_pub_sub_refuses_as_too_large_is_sent_without_its_reason_or_not_at_all(
+    make_app, pubsub_subscription: Subscription, monkeypatch, caplog
+):
+    # Pub/Sub refuses a message over 10 MB (InvalidArgument); the emulator
+    # takes more. A publish that refuses as Pub/Sub does, past 1,000 bytes
+    # of data and attributes: a copy that fits only without its reason goes
+    # so, and one that never fits is not published. Both were given back
+    # and refused again, for ever.
+    import google.api_core.exceptions as api_exceptions
+
+    from webhook_receiver.brokers import pubsub as adapter
+
+    subscription = pubsub_subscription
+    near = (json.dumps({"pad": "x" * 958}).encode(), {"type": "order"})
+    large = (json.dumps({"pad": "x" * 2000}).encode(), {"type": "order"})
+    assert len(near[0]) + len("typeorder") == 978  # 1,013 with the reason attribute
+    subscription.publish([near, large, _message(1)])
+    publish = adapter.publish_exactly
+
+    def as_pub_sub(publisher: Any, topic: str, data: bytes, attributes: Any, timeout: float) -> str:
+        size = len(data) + sum(len(k) + len(v) for k, v in dict(attributes).items())
+        if size > 1000:
+            raise api_exceptions.InvalidArgument(
+                f"Request payload size exceeds the limit: 1000 bytes ({size})."
+            )
+        return publish(publisher, topic, data, attributes, timeout)
+
+    monkeypatch.setattr(adapter, "publish_exactly", as_pub_sub)
+    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    dead: list[Any] = []
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 20)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 2, 20)
+        assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
+        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 10)
+    [copy] = dead
+    assert (copy.data, dict(copy.attributes)) == near
+    assert "went without its dead-letter-reason attribute (refused with it" in caplog.text
+    [refused] = [r for r in caplog.records if "was refused (" in r.getMessage()]
+    assert refused.levelno == logging.ERROR
+    assert "the message is acknowledged without one" in refused.getMessage()
+    assert _rejections(app) == {"dedup-key-missing": 2}
+
+
+def _rejections(app: Any) -> dict[str, int]:
+    """The admin's Rejections for the source: reason -> how many."""
+    from sqlalchemy import func
+
+    from webhook_receiver.models import Rejection
+
+    with app.app_context():
+        found = db.session.execute(
+            select(Rejection.reason, func.sum(Rejection.seen_count))
+            .where(Rejection.source == SOURCE)
+            .group_by(Rejection.reason)
+        ).all()
+        db.session.rollback()
+        return {reason: int(count) for reason, count in found}

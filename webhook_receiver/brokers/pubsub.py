@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 PULL_WAIT_SECONDS = 1.0
 # How long a pull that fills a batch up waits (a backlog answers at once).
 FOLLOW_UP_WAIT_SECONDS = 0.2
-# The attribute a dead letter carries its reason in.
+# The attribute a dead letter carries its reason in, and Pub/Sub's most per message.
 DEAD_LETTER_REASON = "dead-letter-reason"
+MAX_ATTRIBUTES = 100
 # How long a message whose dead-letter copy could not be published waits
 # before it comes back (to be dead-lettered again).
 DEAD_LETTER_RETRY_SECONDS = 5
@@ -221,25 +222,81 @@ class PubSubConsumer(PulledConsumer):
         sent: list[tuple[Raw, batch.Verdict]] = []
         failed: list[Raw] = []
         for raw, verdict in dead:
-            attributes = dict(raw.message.attributes)
-            attributes[DEAD_LETTER_REASON] = verdict.reason or "unknown"
-            try:
-                publish_exactly(
-                    self._publisher, topic, raw.message.data, attributes, PUBLISH_TIMEOUT_SECONDS
-                )
-            except Exception as exc:  # the call raises whatever failed it
-                log.error(
-                    "source %s: could not dead-letter to %r (%s: %s); the message is retried",
-                    self.source.name,
-                    topic,
-                    type(exc).__name__,
-                    exc,
-                    extra={"source": self.source.name},
-                )
-                failed.append(raw)
-            else:
+            if self._copy_out(topic, raw, verdict):
                 sent.append((raw, verdict))
+            else:
+                failed.append(raw)
         return sent, failed
+
+    def _copy_out(self, topic: str, raw: Raw, verdict: batch.Verdict) -> bool:
+        """Publish one message's copy; False when it is to be tried again.
+
+        The reason goes in an attribute when one more fits (Pub/Sub takes
+        100) and the message has none of that name. A copy Pub/Sub refuses
+        as invalid (too large: the attribute counts too) is published again
+        without it; refused still, it is never published, and the message
+        is settled without one.
+        """
+        message = raw.message
+        attributes = dict(message.attributes)
+        reason = verdict.reason or "unknown"
+        why_not = _no_room(attributes)
+        if why_not is None:
+            attributes[DEAD_LETTER_REASON] = reason
+        try:
+            try:
+                self._publish(topic, message.data, attributes)
+            except api_exceptions.InvalidArgument as exc:
+                if why_not is not None:
+                    raise
+                why_not = f"refused with it: {exc.message}"
+                self._publish(topic, message.data, message.attributes)
+        except api_exceptions.InvalidArgument as exc:
+            # No copy can ever be published: acknowledged without one, said
+            # loudly, rather than given back and refused again for ever.
+            log.error(
+                "source %s: the dead-letter copy of message %s was refused (%s); "
+                "the message is acknowledged without one",
+                self.source.name,
+                message.message_id,
+                exc.message,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
+            return True
+        except Exception as exc:  # the call raises whatever failed it
+            log.error(
+                "source %s: could not dead-letter to %r (%s: %s); the message is retried",
+                self.source.name,
+                topic,
+                type(exc).__name__,
+                exc,
+                extra={"source": self.source.name},
+            )
+            return False
+        if why_not is not None:
+            log.warning(
+                "source %s: the dead-letter copy of message %s went without its %s "
+                "attribute (%s); its reason: %s",
+                self.source.name,
+                message.message_id,
+                DEAD_LETTER_REASON,
+                why_not,
+                reason,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
+        return True
+
+    def _publish(self, topic: str, data: bytes, attributes: Mapping[str, str]) -> None:
+        publish_exactly(self._publisher, topic, data, attributes, PUBLISH_TIMEOUT_SECONDS)
+
+
+def _no_room(attributes: Mapping[str, str]) -> str | None:
+    """Why a copy cannot carry the reason attribute, or None when it can."""
+    if DEAD_LETTER_REASON in attributes:
+        return "the message has one of its own, kept"
+    if len(attributes) >= MAX_ATTRIBUTES:
+        return f"the message has Pub/Sub's most of {MAX_ATTRIBUTES} attributes"
+    return None
 
 
 def publish_exactly(
