@@ -6,6 +6,7 @@ hold back the deliveries after it on the same connection.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import tempfile
@@ -18,8 +19,16 @@ from typing import Any
 
 import pytest
 
+from webhook_receiver.processing import forwarding
+
 from .. import mosquitto
-from ..brokers.cloud_fixtures import PROJECT, pubsub_host, pubsub_subscription  # noqa: F401
+from ..brokers.cloud_fixtures import (  # noqa: F401  (fixtures)
+    PROJECT,
+    SqsQueue,
+    pubsub_host,
+    pubsub_subscription,
+    sqs_endpoint,
+)
 from ..brokers.mqtt_fixtures import client as mqtt_client
 from ..session_server import end, free_port
 from .conftest import FAST, config_with, delivery, drain, forward, store_event
@@ -176,3 +185,38 @@ def test_pubsub_forward_of_a_message_past_pubsubs_10_mb_goes_dead_at_once(
     assert (row["state"], row["attempts"]) == ("dead", 1)
     assert "too large for Pub/Sub" in row["last_error"]
     assert delivery(app, small, "topic")["state"] == "delivered"
+
+
+def test_pubsub_forward_of_a_key_past_an_attributes_1024_bytes_sends_its_stable_digest(
+    make_app,
+    clock,
+    make_worker,
+    pubsub_subscription,  # noqa: F811
+):
+    # Pub/Sub refuses an attribute value past 1,024 bytes (the emulator does
+    # not check): a 400-character key outside ASCII is percent-encoded into
+    # 2,400, so the message-id must travel as a digest of itself.
+    from google.cloud import pubsub_v1
+
+    url = f"pubsub://{PROJECT}/{pubsub_subscription.name}"
+    app = make_app(config_with([forward("topic", url, timeout_seconds=2)]), **FAST)
+    key = "é" * 400
+    store_event(app, clock, dedup_key=key)
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    subscriber = pubsub_v1.SubscriberClient()
+    try:
+        got: list[Any] = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            pulled = subscriber.pull(
+                subscription=pubsub_subscription.path, max_messages=10, timeout=5
+            )
+            got += pulled.received_messages
+    finally:
+        subscriber.close()
+    [received] = got
+    attributes = dict(received.message.attributes)
+    stable = forwarding.idempotency_key("topic", "shop", key)
+    assert len(stable) > 1024
+    assert attributes["message-id"] == "sha256:" + hashlib.sha256(stable.encode()).hexdigest()
+    assert attributes["X-Webhook-Source"] == "shop"

@@ -4,7 +4,11 @@ The message's data is the event's body; its attributes: ``message-id``
 (the forward's stable key, what a ``pubsub`` source reads with
 ``dedup_key = "attribute:message-id"``), ``type`` (the event type),
 ``content-type``, ``X-Request-Id`` (the correlation id) and the forward's
-headers (``X-Webhook-Source``, ``X-Webhook-Event-Id``). No ordering key: a
+headers (``X-Webhook-Source``, ``X-Webhook-Event-Id``). An attribute's
+value holds 1,024 bytes at most (Pub/Sub refuses the message otherwise):
+a stable key longer than that (a long dedup key, percent-encoded when it
+is not printable ASCII) is sent as ``sha256:<hex>`` of itself, as stable
+across attempts. No ordering key: a
 worker killed between the publish and marking the delivery done publishes
 again, and the consumer deduplicates on ``message-id``. Credentials are
 the application default credentials (``PUBSUB_EMULATOR_HOST`` for the
@@ -14,6 +18,7 @@ threads.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any
 
@@ -25,6 +30,8 @@ from ...config import ForwardConfig
 from .base import BrokerMessage, PublishError, PublishRefused
 
 SCHEMES = frozenset({"pubsub"})
+# The bytes an attribute's value may hold.
+MAX_ATTRIBUTE_VALUE = 1024
 
 _clients: list[Any] = []
 _lock = threading.Lock()
@@ -46,9 +53,18 @@ def _publisher() -> Any:
         return _clients[0]
 
 
+def attributes(message: BrokerMessage) -> dict[str, str]:
+    """The message's attributes; a message id past Pub/Sub's 1,024 bytes as its SHA-256."""
+    values = message.attributes()
+    key = values["message-id"]
+    if len(key.encode("utf-8")) > MAX_ATTRIBUTE_VALUE:
+        values["message-id"] = "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return values
+
+
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
     try:
-        future = _publisher().publish(topic_path(forward), message.body, **message.attributes())
+        future = _publisher().publish(topic_path(forward), message.body, **attributes(message))
         future.result(timeout=forward.timeout_seconds)
     except api_exceptions.InvalidArgument as exc:
         # Too large, or attributes Pub/Sub refuses: whatever the attempt.
