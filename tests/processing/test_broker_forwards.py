@@ -220,3 +220,42 @@ def test_pubsub_forward_of_a_key_past_an_attributes_1024_bytes_sends_its_stable_
     assert len(stable) > 1024
     assert attributes["message-id"] == "sha256:" + hashlib.sha256(stable.encode()).hexdigest()
     assert attributes["X-Webhook-Source"] == "shop"
+
+
+# -- SQS -----------------------------------------------------------------------
+
+
+def test_sqs_fifo_forward_of_a_source_sqs_cannot_take_as_a_group_id_sends_its_digest(
+    make_app,
+    clock,
+    make_worker,
+    sqs_endpoint,  # noqa: F811
+):
+    # A MessageGroupId takes 1-128 ASCII letters, digits and punctuation:
+    # SQS refuses "my shop" (a space), and would make every delivery of the
+    # source go dead (moto does not check; what is sent is checked here).
+    queue = SqsQueue(sqs_endpoint, f"wr-test-fifo-{uuid.uuid4().hex[:8]}", fifo=True)
+    queue.create()
+    try:
+        path = queue.url.removeprefix(sqs_endpoint)
+        bus = forward(
+            "queue",
+            f"sqs://sqs.eu-west-1.amazonaws.com{path}",
+            endpoint_url=sqs_endpoint,
+            timeout_seconds=2,
+        )
+        config = config_with([bus])
+        config["sources"] = {"my shop": config["sources"]["shop"]}
+        app = make_app(config, **FAST)
+        store_event(app, clock, dedup_key="evt-1", source="my shop")
+        store_event(app, clock, dedup_key="evt-2", source="my shop")
+        assert drain(app, make_worker(app, clock)) == ["delivered", "delivered"]
+        messages = queue.receive_all(queue.url)
+        assert [m["MessageAttributes"]["message-id"]["StringValue"] for m in messages] == [
+            forwarding.idempotency_key("queue", "my shop", "evt-1"),
+            forwarding.idempotency_key("queue", "my shop", "evt-2"),
+        ]
+        groups = {m["Attributes"]["MessageGroupId"] for m in messages}
+        assert groups == {hashlib.sha256(b"my shop").hexdigest()}
+    finally:
+        queue.delete()

@@ -10,7 +10,9 @@ key, what an ``sqs`` source reads with ``dedup_key =
 key is also the ``MessageDeduplicationId`` (its SHA-256 when longer than
 SQS's 128 characters or outside its alphabet), so a worker killed between
 the send and marking the delivery done sends again within SQS's five
-minutes without a second message; the group is the event's source.
+minutes without a second message; the group is the event's source (its
+SHA-256 too when SQS would refuse it as a ``MessageGroupId``: a source
+name past 128 characters, or with a space or a character outside ASCII).
 Credentials come from the standard AWS chain; one client per region and
 endpoint, shared by the worker's threads.
 """
@@ -40,7 +42,7 @@ _REFUSED = frozenset(
         "InvalidAttributeValue",
     }
 )
-# A MessageDeduplicationId: up to 128 of these.
+# A MessageDeduplicationId or MessageGroupId: up to 128 of these.
 _DEDUPLICATION_ID = re.compile(r"^[!-~]{1,128}$")
 MAX_ATTRIBUTES = 10
 
@@ -73,6 +75,17 @@ def _client(forward: ForwardConfig) -> Any:
         return client
 
 
+def _sqs_id(value: str) -> str:
+    """``value`` as a MessageDeduplicationId or MessageGroupId: itself, or its SHA-256 (as stable).
+
+    Both take 1 to 128 characters of ASCII letters, digits and punctuation;
+    SQS refuses anything else (InvalidParameterValue), whatever the attempt.
+    """
+    if _DEDUPLICATION_ID.match(value):
+        return value
+    return hashlib.sha256(value.encode("utf-8")).hexdigest()
+
+
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
     values = message.attributes()
     if len(values) > MAX_ATTRIBUTES:
@@ -89,11 +102,10 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
         },
     }
     if forward.url.endswith(".fifo"):
-        key = message.message_id
-        if not _DEDUPLICATION_ID.match(key):
-            key = hashlib.sha256(key.encode()).hexdigest()
-        request["MessageDeduplicationId"] = key
-        request["MessageGroupId"] = message.headers.get("X-Webhook-Source") or "webhook-receiver"
+        request["MessageDeduplicationId"] = _sqs_id(message.message_id)
+        request["MessageGroupId"] = _sqs_id(
+            message.headers.get("X-Webhook-Source") or "webhook-receiver"
+        )
     try:
         _client(forward).send_message(**request)
     except botocore.exceptions.ClientError as exc:
