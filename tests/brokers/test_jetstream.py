@@ -237,3 +237,45 @@ def test_a_dead_letter_subject_no_stream_takes_is_warned_about_at_start(
     with caplog.at_level("WARNING", logger="webhook_receiver"), consuming(app, SOURCE):
         assert wait_until(lambda: count_events(app) == 1, 30)
     assert "no stream takes dead_letter_subject" in caplog.text
+
+
+@pytest.mark.parametrize("fits", ["without-its-reason", "never"])
+def test_a_poison_message_whose_copy_exceeds_max_payload_does_not_loop(
+    make_app, jetstream, monkeypatch, caplog, fits
+):
+    # The server counts headers and data against max_payload; nats-py checks
+    # the data alone. A message whose data nearly fills it, its copy's added
+    # headers past it: the server refused the publish and closed the
+    # connection, and the message was nak-ed and refused again, for ever.
+    from webhook_receiver.brokers import jetstream as consumer_module
+
+    monkeypatch.setattr(consumer_module, "DEAD_LETTER_RETRY_SECONDS", 0.3)
+
+    async def max_payload(nc):
+        return nc.max_payload
+
+    limit = jetstream.run(max_payload)
+    # The copy's own Nats-Msg-Id (the message is the stream's first) fits;
+    # its Dead-Letter-Reason (39 bytes) does not.
+    msg_id = f"Nats-Msg-Id: dead-letter:{jetstream.name}:1\r\n"
+    size = limit - len("NATS/1.0\r\n\r\n") - len(msg_id) - 20 if fits != "never" else limit - 16
+    app = _app(make_app, jetstream)
+    caplog.set_level("WARNING", "webhook_receiver.brokers")
+    jetstream.publish([("paid", b"x" * size, {}), _message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    assert jetstream.delivered() == 2  # never redelivered
+    assert "connection" not in caplog.text
+    if fits == "never":
+        assert jetstream.dead_letters() == []
+        [refused] = [r for r in caplog.records if "was refused" in r.getMessage()]
+        assert refused.levelname == "ERROR"
+        assert "terminated without one" in refused.getMessage()
+    else:
+        [(data, headers)] = jetstream.dead_letters()
+        assert data == b"x" * size
+        assert "Dead-Letter-Reason" not in headers
+        assert "went without its Dead-Letter-Reason header" in caplog.text
+        assert "was refused" not in caplog.text

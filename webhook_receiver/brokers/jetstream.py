@@ -414,7 +414,7 @@ class JetStreamConsumer(batch.Consumer):
             for message, verdict in zip(taken, verdicts, strict=True):
                 if verdict.action == batch.ACK:
                     await message.ack()
-                elif await self._dead_letter(js, message, verdict):
+                elif await self._dead_letter(js, message, verdict, nc.max_payload):
                     await message.term()
                     dead.append(verdict)
                 else:
@@ -430,7 +430,9 @@ class JetStreamConsumer(batch.Consumer):
     def _store(self, raws: list[_Raw]) -> list[batch.Verdict]:
         return self.store_prepared(self.prepare(self.source, raws, self._broker_message))
 
-    async def _dead_letter(self, js: Any, message: Any, verdict: batch.Verdict) -> bool:
+    async def _dead_letter(
+        self, js: Any, message: Any, verdict: batch.Verdict, max_payload: int
+    ) -> bool:
         """Publish a copy to dead_letter_subject (if set); False when that failed."""
         subject = self.source.dead_letter_subject
         if subject is None:
@@ -448,17 +450,27 @@ class JetStreamConsumer(batch.Consumer):
             headers[DEAD_LETTER_MSG_ID] = original
         headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
         headers[MSG_ID] = f"dead-letter:{self.source.stream}:{message.metadata.sequence.stream}"
+        # The server counts the headers against max_payload too (nats-py the
+        # data alone): a copy past it closes the connection, for ever.
+        size = _wire_size(message.data, headers)
+        if size > max_payload:
+            del headers[DEAD_LETTER_REASON]
+            if _wire_size(message.data, headers) > max_payload:
+                self._refused(verdict, f"{size} bytes, past the server's max_payload")
+                return True
+            log.warning(
+                "source %s: the dead-letter copy went without its %s header (%d bytes with "
+                "it, past the server's max_payload); its reason: %s",
+                self.source.name,
+                DEAD_LETTER_REASON,
+                size,
+                verdict.reason,
+                extra={"source": self.source.name, "reason": verdict.reason},
+            )
         try:
             await js.publish(subject, message.data, headers=headers, timeout=5)
         except _REFUSED as exc:
-            # No copy can ever be published: terminated alone, said loudly.
-            log.error(
-                "source %s: the dead-letter copy was refused (%s); the message is terminated "
-                "without one",
-                self.source.name,
-                exc,
-                extra={"source": self.source.name, "reason": verdict.reason},
-            )
+            self._refused(verdict, exc)
             return True
         except _ERRORS as exc:
             log.error(
@@ -469,6 +481,16 @@ class JetStreamConsumer(batch.Consumer):
             )
             return False
         return True
+
+    def _refused(self, verdict: batch.Verdict, why: object) -> None:
+        # No copy can ever be published: terminated alone, said loudly.
+        log.error(
+            "source %s: the dead-letter copy was refused (%s); the message is terminated "
+            "without one",
+            self.source.name,
+            why,
+            extra={"source": self.source.name, "reason": verdict.reason},
+        )
 
     def _broker_message(self, raw: _Raw) -> BrokerMessage:
         message, malformed = raw
@@ -482,3 +504,13 @@ class JetStreamConsumer(batch.Consumer):
             subject=message.subject,
             meta={"broker": "nats", "stream": self.source.stream, "subject": message.subject},
         )
+
+
+def _wire_size(data: bytes, headers: dict[str, str]) -> int:
+    """A message's size as the server counts it against max_payload: headers and data."""
+    lines = sum(
+        len(name.strip().encode()) + len(value.strip().encode()) + 4
+        for name, value in headers.items()
+        if name.strip()
+    )
+    return len(b"NATS/1.0\r\n\r\n") + lines + len(data)
