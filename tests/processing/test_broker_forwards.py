@@ -259,3 +259,35 @@ def test_sqs_fifo_forward_of_a_source_sqs_cannot_take_as_a_group_id_sends_its_di
         assert groups == {hashlib.sha256(b"my shop").hexdigest()}
     finally:
         queue.delete()
+
+
+# -- NATS JetStream --------------------------------------------------------------
+
+
+def test_nats_forward_larger_than_the_stream_or_the_server_takes_goes_dead_at_once(
+    make_app, clock, make_worker, jetstream
+):
+    # Neither the stream's max_msg_size nor the server's max_payload (1 MB)
+    # lets any attempt through: dead at once, not retried to the limit.
+    from nats.js.api import StreamConfig
+
+    async def limit(nc: Any) -> None:
+        js = nc.jetstream()
+        await js.update_stream(
+            StreamConfig(name=jetstream.name, subjects=[f"{jetstream.prefix}.>"], max_msg_size=4096)
+        )
+
+    jetstream.run(limit)
+    stream = forward("stream", jetstream.url, subject=f"{jetstream.prefix}.stripe")
+    app = make_app(config_with([stream]), **FAST)
+    past_stream = store_event(app, clock, dedup_key="evt-1", data={"pad": "x" * 5000})
+    past_server = store_event(app, clock, dedup_key="evt-2", body=b"x" * (1024 * 1024 + 1))
+    small = store_event(app, clock, dedup_key="evt-3")
+    assert drain(app, make_worker(app, clock)) == ["dead", "dead", "delivered"]
+    row = delivery(app, past_stream, "stream")
+    assert (row["state"], row["attempts"]) == ("dead", 1)
+    assert "larger than the stream" in row["last_error"]
+    row = delivery(app, past_server, "stream")
+    assert (row["state"], row["attempts"]) == ("dead", 1)
+    assert "max_payload" in row["last_error"]
+    assert delivery(app, small, "stream")["state"] == "delivered"

@@ -2,7 +2,9 @@
 
 A PubAck marked ``duplicate`` counts too: JetStream's duplicate window
 dropped a republish of a message it has (the ``Nats-Msg-Id`` is the
-forward's stable key). One event loop per process serves every thread's
+forward's stable key). A message larger than the server's ``max_payload``
+(1 MB by default) or the stream's ``max_msg_size`` goes dead at once: no
+attempt gets past either. One event loop per process serves every thread's
 publishes, on one connection per URL.
 """
 
@@ -20,11 +22,13 @@ import nats.errors
 import nats.js.errors
 
 from ...config import ForwardConfig, redact_url
-from .base import BrokerMessage, PublishError
+from .base import BrokerMessage, PublishError, PublishRefused
 
 log = logging.getLogger(__name__)
 
 SCHEMES = frozenset({"nats", "tls"})
+# JetStream's error code for a message past the stream's max_msg_size.
+_MESSAGE_TOO_LARGE = 10054
 
 
 class _NatsLoop:
@@ -129,5 +133,17 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
         loop.run(go(), timeout=forward.timeout_seconds * 2)
     except nats.js.errors.NoStreamResponseError as exc:
         raise PublishError(f"no JetStream stream takes subject {forward.subject!r}") from exc
+    except nats.errors.MaxPayloadError as exc:
+        raise PublishRefused(
+            f"the message ({len(message.body)} bytes of body) is larger than the "
+            f"max_payload of {redact_url(forward.url)}"
+        ) from exc
+    except nats.js.errors.APIError as exc:
+        if exc.err_code != _MESSAGE_TOO_LARGE:
+            raise PublishError(f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}") from exc
+        raise PublishRefused(
+            f"the message ({len(message.body)} bytes of body) is larger than the stream "
+            f"taking {forward.subject!r} takes: {exc}"
+        ) from exc
     except (nats.errors.Error, OSError, TimeoutError) as exc:
         raise PublishError(f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}") from exc
