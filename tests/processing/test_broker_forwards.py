@@ -28,8 +28,10 @@ from ..brokers.cloud_fixtures import (  # noqa: F401  (fixtures)
     pubsub_host,
     pubsub_subscription,
     sqs_endpoint,
+    sqs_queue,
 )
 from ..brokers.mqtt_fixtures import client as mqtt_client
+from ..servers import Relay
 from ..session_server import end, free_port
 from .conftest import FAST, config_with, delivery, drain, forward, store_event
 
@@ -291,3 +293,33 @@ def test_nats_forward_larger_than_the_stream_or_the_server_takes_goes_dead_at_on
     assert (row["state"], row["attempts"]) == ("dead", 1)
     assert "max_payload" in row["last_error"]
     assert delivery(app, small, "stream")["state"] == "delivered"
+
+
+def test_sqs_forward_whose_answer_is_lost_is_sent_once_per_attempt(
+    make_app,
+    clock,
+    make_worker,
+    sqs_queue,  # noqa: F811
+):
+    # botocore's max_attempts counts retries: 1 meant a second send, hidden
+    # inside one delivery attempt, whenever the first answer was lost, and
+    # an attempt lasting twice the forward's timeout.
+    endpoint = sqs_queue.endpoint
+    with Relay(int(endpoint.rsplit(":", 1)[1])) as relay:
+        relayed = f"http://127.0.0.1:{relay.port}"
+        path = sqs_queue.url.removeprefix(endpoint)
+        bus = forward(
+            "queue",
+            f"sqs://sqs.eu-west-1.amazonaws.com{path}",
+            endpoint_url=relayed,
+            timeout_seconds=2,
+        )
+        app = make_app(config_with([bus]), **FAST)
+        event_id = store_event(app, clock, dedup_key="evt-1")
+        relay.hold()  # SQS takes the message; its answer is dropped
+        assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "queue")
+    assert (row["state"], row["attempts"]) == ("pending", 1)
+    assert _wait_for(lambda: sqs_queue.counts()[0] >= 1)
+    messages = sqs_queue.receive_all(sqs_queue.url)
+    assert len(messages) == 1, messages

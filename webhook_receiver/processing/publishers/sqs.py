@@ -69,7 +69,11 @@ def _client(forward: ForwardConfig) -> Any:
                 config=botocore.config.Config(
                     connect_timeout=forward.timeout_seconds,
                     read_timeout=forward.timeout_seconds,
-                    retries={"max_attempts": 1, "mode": "standard"},
+                    # One attempt: botocore's max_attempts counts retries, so
+                    # 1 sent a send whose answer was lost twice, within one
+                    # delivery attempt (and took twice the timeout); the
+                    # worker retries, with its backoff.
+                    retries={"total_max_attempts": 1, "mode": "standard"},
                 ),
             )
         return client
