@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import uuid
+from typing import Any
 
 import pytest
 from paho.mqtt.packettypes import PacketTypes
@@ -282,3 +283,64 @@ def test_declare_run_again_takes_none_of_the_messages_waiting_in_the_session(mak
     with consuming(app, SOURCE):
         assert wait_until(lambda: count_events(app) == 5, 15)
         assert wait_until(lambda: mqtt_topics.acked() == 5, 10)
+
+
+@pytest.fixture
+def small_packets(monkeypatch) -> Any:
+    """Topics on a Mosquitto of their own whose max_packet_size is 2,048 bytes."""
+    import subprocess
+    from pathlib import Path
+
+    from .. import mosquitto
+
+    popen = subprocess.Popen
+
+    def with_limit(args: list[str], **options: Any) -> Any:
+        config = Path(args[2])
+        config.write_text(config.read_text() + "max_packet_size 2048\n")
+        return popen(args, **options)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(subprocess, "Popen", with_limit)
+        broker = mosquitto.start()
+    topics = MqttTopics(broker, f"wr-test-{uuid.uuid4().hex[:10]}")
+    try:
+        topics.start_collector()
+        topics.open_session()
+        yield topics
+        topics.close()
+    finally:
+        mosquitto.stop(broker)
+
+
+@pytest.mark.parametrize("fits", ["without-its-reason", "never"])
+def test_a_poison_message_whose_copy_exceeds_the_maximum_packet_size_does_not_loop(
+    make_app, small_packets, caplog, fits
+):
+    # The broker takes packets of 2,048 bytes at most (CONNACK's Maximum
+    # Packet Size): a message near it, its copy's added user properties
+    # past it. Mosquitto dropped the connection on the copy, and the
+    # original came again on the next one, for ever.
+    topics = small_packets
+    # The original: 72 bytes beside the pad; its copy 92 more with both added
+    # user properties, 52 more with dead-letter-topic alone.
+    pad = 1950 if fits == "never" else 1900
+    poison = ("sensor-8", json.dumps({"pad": "x" * pad}).encode(), [])
+    topics.publish([poison, _message(1)])
+    app = make_app({"sources": {SOURCE: mqtt_source(topics)}})
+    caplog.set_level("WARNING", "webhook_receiver.brokers")
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+        assert wait_until(lambda: topics.acked() == 2, 10)
+    assert topics.sent(redelivered=True) == 0
+    assert "broker unavailable" not in caplog.text
+    if fits == "never":
+        assert topics.dead_letters() == []
+        [refused] = [r for r in caplog.records if "was refused" in r.getMessage()]
+        assert refused.levelname == "ERROR"
+    else:
+        [(payload, properties)] = topics.dead_letters()
+        assert payload == poison[1]
+        assert "dead-letter-reason" not in properties
+        assert "went without its dead-letter-reason" in caplog.text

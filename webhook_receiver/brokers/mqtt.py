@@ -40,7 +40,7 @@ import paho.mqtt.client as mqtt
 from flask import Flask
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import Properties, VariableByteIntegers
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ..config import BrokerSourceConfig, parse_broker_spec
@@ -82,6 +82,8 @@ class _Session:
 
     def __init__(self) -> None:
         self.connack: Any = None
+        # The broker's Maximum Packet Size (CONNACK), if it says one.
+        self.max_packet: int | None = None
         self.suback: list[Any] | None = None
         self.lost: str | None = None
         self.received: list[Any] = []
@@ -123,7 +125,8 @@ class MqttConsumer(batch.Consumer):
         if url.scheme == "mqtts":
             client.tls_set_context(ssl.create_default_context())
 
-        def on_connect(_c: Any, _u: Any, flags: Any, reason: Any, _p: Any) -> None:
+        def on_connect(_c: Any, _u: Any, flags: Any, reason: Any, properties: Any) -> None:
+            session.max_packet = getattr(properties, "MaximumPacketSize", None)
             session.connack = (flags, reason)
 
         def on_subscribe(_c: Any, _u: Any, _mid: int, reasons: list[Any], _p: Any) -> None:
@@ -296,17 +299,34 @@ class MqttConsumer(batch.Consumer):
         topic = self.source.dead_letter_topic or ""
         sent = []
         for message, verdict in dead:
-            properties = Properties(PacketTypes.PUBLISH)
-            original = message.properties
-            for name in _KEPT:
-                value = getattr(original, name, None)
-                if value is not None:
-                    setattr(properties, name, value)
-            properties.UserProperty = [
-                *getattr(original, "UserProperty", []),
-                (DEAD_LETTER_REASON, verdict.reason or "unknown"),
+            kept = [
+                *getattr(message.properties, "UserProperty", []),
                 (DEAD_LETTER_TOPIC, message._topic.decode("utf-8", "replace")),
             ]
+            reason = (DEAD_LETTER_REASON, verdict.reason or "unknown")
+            properties = _copy_properties(message, [*kept[:-1], reason, kept[-1]])
+            if not self._fits(session, topic, message.payload, properties):
+                # The broker drops a connection that sends a packet past its
+                # Maximum Packet Size: the original would come again, for ever.
+                properties = _copy_properties(message, kept)
+                if not self._fits(session, topic, message.payload, properties):
+                    log.error(
+                        "source %s: the dead-letter copy was refused (larger than the "
+                        "broker's Maximum Packet Size, %d bytes); the message is "
+                        "acknowledged without one",
+                        self.source.name,
+                        session.max_packet,
+                        extra={"source": self.source.name, "reason": verdict.reason},
+                    )
+                    continue
+                log.warning(
+                    "source %s: the dead-letter copy went without its %s user property "
+                    "(past the broker's Maximum Packet Size with it); its reason: %s",
+                    self.source.name,
+                    DEAD_LETTER_REASON,
+                    verdict.reason,
+                    extra={"source": self.source.name, "reason": verdict.reason},
+                )
             sent.append(client.publish(topic, message.payload, qos=1, properties=properties))
         deadline = time.monotonic() + ANSWER_SECONDS
         while not all(info.is_published() for info in sent):
@@ -326,6 +346,14 @@ class MqttConsumer(batch.Consumer):
             raise ConnectionLost(
                 f"the broker kept no dead letter to {topic!r}: {', '.join(sorted(refused))}"
             )
+
+    @staticmethod
+    def _fits(session: _Session, topic: str, payload: bytes, properties: Any) -> bool:
+        """Whether a QoS 1 PUBLISH is within the broker's Maximum Packet Size, if it has one."""
+        if session.max_packet is None:
+            return True
+        remaining = 2 + len(topic.encode()) + 2 + len(properties.pack()) + len(payload)
+        return 1 + len(VariableByteIntegers.encode(remaining)) + remaining <= session.max_packet
 
     # -- a message as the inbox sees it -------------------------------------------------
 
@@ -362,3 +390,15 @@ class MqttConsumer(batch.Consumer):
                 "client_id": self.source.client_id,
             },
         )
+
+
+def _copy_properties(message: Any, user_properties: list[tuple[str, str]]) -> Any:
+    """A dead letter's PUBLISH properties: the message's kept ones and ``user_properties``."""
+    properties = Properties(PacketTypes.PUBLISH)
+    for name in _KEPT:
+        value = getattr(message.properties, name, None)
+        if value is not None:
+            setattr(properties, name, value)
+    # Set once: paho adds to the user properties on each assignment.
+    properties.UserProperty = user_properties
+    return properties
