@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -55,8 +56,10 @@ class _Reader:
         self.client.on_message = lambda _c, _u, m: self.got.append(
             (m.payload, dict(getattr(m.properties, "UserProperty", []) or []))
         )
-        self.client.on_subscribe = lambda *_args: subscribed.set()
+        self.client.on_subscribe = lambda *_args: (subscribed.set(), self.subscriptions.append(1))
+        self.subscriptions: list[int] = []
         self.client.on_connect = lambda c, *_args: c.subscribe(topic, qos=1)
+        self.client.reconnect_delay_set(min_delay=1, max_delay=1)
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         assert subscribed.wait(10), "the reader did not subscribe"
@@ -81,41 +84,73 @@ def mqtt_reader() -> Iterator[tuple[str, str, _Reader]]:
         reader.close()
 
 
+class _PrivateMosquitto:
+    """A Mosquitto of a test's own on a fixed port, to stop and start again (``extra``: config)."""
+
+    def __init__(self, extra: str = "") -> None:
+        self.port = free_port()
+        self.folder = Path(tempfile.mkdtemp(prefix="mosquitto-fwd-"))
+        self.folder.chmod(0o1777)
+        (self.folder / "mosquitto.conf").write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n{extra}"
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [mosquitto.MOSQUITTO, "-c", str(self.folder / "mosquitto.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert _wait_for(lambda: _listening(self.port), 15), "mosquitto did not listen"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            end(self.process)
+            self.process = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 @pytest.fixture
-def small_packet_mqtt() -> Iterator[tuple[str, str, _Reader]]:
-    """A Mosquitto of this test's own, taking packets of 4 KB at most; a topic and its reader."""
+def private_mosquitto() -> Iterator[Any]:
+    """Make Mosquittos of the test's own (started), removed afterwards."""
     if not Path(mosquitto.MOSQUITTO).exists():
         pytest.skip("no Mosquitto on this machine")
-    port = free_port()
-    folder = Path(tempfile.mkdtemp(prefix="mosquitto-small-"))
-    folder.chmod(0o1777)
-    (folder / "mosquitto.conf").write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        "max_packet_size 4096\n"
-    )
-    process = subprocess.Popen(
-        [mosquitto.MOSQUITTO, "-c", str(folder / "mosquitto.conf")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    made: list[_PrivateMosquitto] = []
+
+    def make(extra: str = "") -> _PrivateMosquitto:
+        server = _PrivateMosquitto(extra)
+        made.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in made:
+        server.remove()
+
+
+@pytest.fixture
+def small_packet_mqtt(private_mosquitto: Any) -> Iterator[tuple[str, str, _Reader]]:
+    """A Mosquitto of this test's own, taking packets of 4 KB at most; a topic and its reader."""
+    server = private_mosquitto("max_packet_size 4096\n")
+    topic = f"fwd-{uuid.uuid4().hex[:8]}/events"
+    reader = _Reader(server.port, topic)
     try:
-        assert _wait_for(lambda: _listening(port), 15), "mosquitto did not listen"
-        topic = f"fwd-{uuid.uuid4().hex[:8]}/events"
-        reader = _Reader(port, topic)
-        try:
-            yield f"mqtt://127.0.0.1:{port}", topic, reader
-        finally:
-            reader.close()
+        yield server.url, topic, reader
     finally:
-        end(process)
-        shutil.rmtree(folder, ignore_errors=True)
+        reader.close()
 
 
 def _listening(port: int) -> bool:
-    import socket
-
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
     except OSError:
@@ -164,6 +199,43 @@ def test_mqtt_forward_larger_than_the_brokers_maximum_packet_size_goes_dead_and_
     assert delivery(app, small, "bus")["state"] == "delivered"
     assert _wait_for(lambda: len(reader.got) == 1)
     assert reader.got[0][1]["message-id"] == "bus:shop:evt-2"
+
+
+def test_mqtt_forward_delivers_again_soon_after_its_broker_restarts(
+    make_app, clock, make_worker, private_mosquitto
+):
+    # paho backs off between reconnects, doubling up to two minutes: a
+    # broker away for 8 s was tried again only at 15 s, and every delivery
+    # failed ("not connected") for 7 s after it was back (a minute after
+    # an outage of a minute).
+    server = private_mosquitto()
+    topic = f"fwd-{uuid.uuid4().hex[:8]}/events"
+    reader = _Reader(server.port, topic)
+    try:
+        bus = forward("bus", server.url, topic=topic, timeout_seconds=1, max_attempts=100)
+        app = make_app(config_with([bus]), **FAST)
+        worker = make_worker(app, clock)
+        store_event(app, clock, dedup_key="evt-1")
+        assert drain(app, worker) == ["delivered"]
+        server.stop()
+        down = time.monotonic()
+        late = store_event(app, clock, dedup_key="evt-2")
+        outcomes = []
+        while time.monotonic() - down < 8:  # each attempt fails within its 1 s timeout
+            clock.advance(3600)
+            outcomes += drain(app, worker)
+        assert set(outcomes) == {"retry"}
+        seen = len(reader.subscriptions)
+        server.start()
+        assert _wait_for(lambda: len(reader.subscriptions) > seen, 10)
+        back = time.monotonic()
+        while delivery(app, late, "bus")["state"] != "delivered" and time.monotonic() - back < 3:
+            clock.advance(3600)
+            drain(app, worker)
+        assert delivery(app, late, "bus")["state"] == "delivered"
+        assert _wait_for(lambda: len(reader.got) == 2)
+    finally:
+        reader.close()
 
 
 # -- Pub/Sub -------------------------------------------------------------------

@@ -7,9 +7,10 @@ source reads by default), ``type`` (the event type), ``X-Request-Id``
 A PUBACK saying no subscription took it (reason 16) is a retryable
 failure, as an unroutable AMQP publish is: a broker keeps a message only
 for a session that has subscribed. One client per URL and process (paho's
-network thread, which reconnects by itself), shared by the worker's
-threads; a publish not acknowledged within ``timeout_seconds`` fails and
-is retried with the same ``message-id``.
+network thread, which reconnects by itself, once a second while the
+broker is away), shared by the worker's threads; a publish not
+acknowledged within ``timeout_seconds`` fails and is retried with the
+same ``message-id``.
 
 A message the broker can never take goes dead at once rather than being
 sent: a text (the event type, the correlation id, the content type) with
@@ -95,6 +96,10 @@ class _Publisher:
         if url.scheme == "mqtts":
             client.tls_set_context(ssl.create_default_context())
         client.max_inflight_messages_set(1000)
+        # paho doubles its wait between reconnects up to two minutes: the
+        # forward's deliveries would fail for as long after the broker is
+        # back. Back within a second of its return, as a Kafka forward is.
+        client.reconnect_delay_set(min_delay=1, max_delay=1)
         client.on_connect = self._on_connect
         client.on_disconnect = lambda *_args: self.connected.clear()
         client.on_publish = self._on_publish
