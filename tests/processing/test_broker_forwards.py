@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.processing import forwarding
 
 from .. import mosquitto
@@ -395,3 +396,47 @@ def test_sqs_forward_whose_answer_is_lost_is_sent_once_per_attempt(
     assert _wait_for(lambda: sqs_queue.counts()[0] >= 1)
     messages = sqs_queue.receive_all(sqs_queue.url)
     assert len(messages) == 1, messages
+
+
+# -- RabbitMQ ------------------------------------------------------------------
+
+
+def test_amqp_forward_past_the_brokers_max_message_size_is_refused_and_the_next_is_sent(
+    amqp_queue,
+):
+    # RabbitMQ closes the channel (406 PRECONDITION_FAILED) of a message past
+    # its max_message_size (128 MiB before 4.0, 16 MiB since): no attempt
+    # gets through, so it must not be retried to the attempt limit. Called
+    # as the worker calls it (forwarding.send): 128 MiB stored in each
+    # database to go through the worker would make the test a slow one.
+    [bus] = parse_forwards(
+        [
+            {
+                "name": "bus",
+                "url": amqp_queue.url,
+                "exchange": "",
+                "routing_key": amqp_queue.name,
+                "timeout_seconds": 10,
+            }
+        ],
+        "test",
+    )
+
+    def outgoing(key: str, body: bytes) -> forwarding.Outgoing:
+        return forwarding.Outgoing(
+            event_id=1,
+            source="shop",
+            dedup_key=key,
+            event_type="order.paid",
+            content_type="application/json",
+            body=body,
+            correlation_id="req-1",
+        )
+
+    big = forwarding.send(None, "bus", bus, outgoing("evt-1", b"x" * (128 * 1024 * 1024 + 1)))
+    assert (big.ok, big.retryable) == (False, False)
+    assert "larger than configured max size" in (big.error or "")
+    small = forwarding.send(None, "bus", bus, outgoing("evt-2", b"{}"))
+    assert small.ok, small.error
+    [(props, body)] = amqp_queue.take_all(amqp_queue.name)
+    assert (props.message_id, body) == ("bus:shop:evt-2", b"{}")

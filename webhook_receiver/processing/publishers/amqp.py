@@ -1,7 +1,8 @@
 """Forwards to RabbitMQ (``amqp://``, ``amqps://``): publisher confirms and ``mandatory=True``.
 
 The delivery is done only on the broker's confirm; an unroutable return or
-a nack is a retryable failure. AMQP's short strings hold 255 bytes: a
+a nack is a retryable failure; a message past the broker's
+``max_message_size`` goes dead at once. AMQP's short strings hold 255 bytes: a
 longer message id is sent as ``sha256:<hex>`` of the stable key (as
 stable), with the key itself in the ``X-Message-Id`` header; a longer type,
 correlation id or content type goes in a header instead of its property; a
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 SCHEMES = frozenset({"amqp", "amqps"})
 _PERSISTENT = 2
+# How RabbitMQ closes the channel of a message past its max_message_size
+# (128 MiB by default before 4.0, 16 MiB since).
+_PRECONDITION_FAILED = 406
+_TOO_LARGE = "larger than configured max size"
 
 
 class _ConfirmTimedOut(Exception):
@@ -188,6 +193,12 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             raise PublishError("the broker nacked the message") from exc
         except pika.exceptions.ChannelClosedByBroker as exc:
             _drop_amqp(forward.url)
+            if exc.reply_code == _PRECONDITION_FAILED and _TOO_LARGE in exc.reply_text:
+                # Past the broker's max_message_size: no attempt gets through.
+                raise PublishRefused(
+                    f"the message ({len(message.body)} bytes of body) is refused by the "
+                    f"broker: {exc.reply_text}"
+                ) from exc
             raise PublishError(f"channel closed by the broker: {exc.reply_text}") from exc
         except (pika.exceptions.AMQPError, OSError) as exc:
             _drop_amqp(forward.url)
