@@ -440,3 +440,32 @@ def test_amqp_forward_past_the_brokers_max_message_size_is_refused_and_the_next_
     assert small.ok, small.error
     [(props, body)] = amqp_queue.take_all(amqp_queue.name)
     assert (props.message_id, body) == ("bus:shop:evt-2", b"{}")
+
+
+def test_a_publisher_that_raises_unexpectedly_is_a_retry_with_its_error_never_a_held_lease(
+    make_app, clock, make_worker, monkeypatch, caplog
+):
+    # A client may raise what its publisher does not expect (a bug, a new
+    # exception in a library upgrade): the attempt is a retry with the error
+    # on the delivery, and the worker goes on, rather than the exception
+    # ending the attempt with the delivery leased until its lease ends.
+    from webhook_receiver.processing import publishers
+
+    def broken(_forward: Any, _message: Any) -> None:
+        raise TypeError("an unforeseen failure for redis://:hunter2@127.0.0.1:6379/0")
+
+    url = "redis://:hunter2@127.0.0.1:6379/0"
+    app = make_app(
+        config_with([forward("stream", url, stream=f"fwd-{uuid.uuid4().hex[:8]}")]), **FAST
+    )
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    monkeypatch.setitem(publishers._BY_SCHEME, "redis", broken)
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "stream")
+    assert (row["state"], row["attempts"], row["lease_token"]) == ("pending", 1, None)
+    assert row["last_error"].startswith("TypeError: an unforeseen failure")
+    assert "hunter2" not in row["last_error"]
+    assert "hunter2" not in caplog.text
+    assert [
+        r for r in caplog.records if r.levelname == "ERROR" and "unexpectedly" in r.getMessage()
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,6 +26,8 @@ from .. import tracing
 from ..config import ForwardConfig
 from . import attempts, publishers
 from .backoff import is_retryable_status
+
+log = logging.getLogger(__name__)
 
 USER_AGENT = "webhook-receiver/0.1"
 # Read at most this much of an answer: enough for an error message, and
@@ -167,6 +170,15 @@ def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
         return Result(ok=False, retryable=False, error=_stored_error(str(exc), forward))
     except publishers.PublishError as exc:
         return Result(ok=False, retryable=True, error=_stored_error(str(exc), forward))
+    except Exception as exc:  # a publisher's bug: what its client raised, unforeseen
+        # A retry with its back-off and its error on the delivery, rather than
+        # a worker thread's crash that leaves the delivery leased to its end.
+        # Its text redacted as every forward error is (a client may quote the
+        # URL); the traceback, which quotes it as it is, at DEBUG only.
+        error = _stored_error(f"{type(exc).__name__}: {exc}", forward)
+        log.error("forward %s: the publish failed unexpectedly: %s", forward.name, error)
+        log.debug("forward %s: the unexpected failure", forward.name, exc_info=True)
+        return Result(ok=False, retryable=True, error=error)
     return Result(ok=True, retryable=False, confirmation=f"{forward.scheme}: publish confirmed")
 
 
