@@ -313,3 +313,114 @@ def test_a_statement_past_a_database_limit_is_no_outage(make_app):
             assert not is_unavailable(exc), exc
         else:
             assert isinstance(outcome, inbox.Accepted)
+
+
+def _lowered(engine: Engine, limit: int, value: int) -> None:
+    """Lower ``limit`` (sqlite3.SQLITE_LIMIT_...) on every new SQLite connection of ``engine``."""
+    import sqlite3
+
+    from sqlalchemy import event
+
+    def lower(dbapi_connection: sqlite3.Connection, _record: object) -> None:
+        dbapi_connection.setlimit(limit, value)
+
+    event.listen(engine, "connect", lower)
+    engine.dispose()  # the pooled connections, opened before, go
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_sqlite_statement_past_one_of_its_limits_is_no_outage(make_app):
+    # SQLite files what a faulty statement gets (SQLITE_ERROR: too many SQL
+    # variables, too many terms in a compound SELECT) under OperationalError,
+    # beside a locked or unreachable database, and every OperationalError was
+    # taken for the database being away: a 503 for ever, a broker batch
+    # backed off and retried for ever. A SQLite built with fewer variables a
+    # statement than the batch's chunk (999 before SQLite 3.32; 32,766 since,
+    # which the chunks keep within) refused every batch of more than 90
+    # events so. Now told by the error's code: a faulty statement, so a
+    # broker batch is stored one message at a time (each within the limit).
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
+    from webhook_receiver import inbox
+    from webhook_receiver.brokers import batch as broker_batch
+    from webhook_receiver.database import is_unavailable
+    from webhook_receiver.extensions import db
+
+    from .helpers import RABBIT_SOURCE
+    from .inbox.test_positions import _config, message
+
+    app = make_app(_config())
+    with app.app_context():
+        _lowered(db.engine, sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        messages = [message(f"k{n}") for n in range(100)]  # 100 rows of 11 values
+        with pytest.raises(DBAPIError) as raised:
+            inbox.receive_many(messages)
+        assert raised.value.orig.sqlite_errorname == "SQLITE_ERROR"
+        assert "too many SQL variables" in str(raised.value.orig)
+        assert not is_unavailable(raised.value)
+        verdicts = broker_batch.store(
+            RABBIT_SOURCE, broker_batch.Prepared(messages, [None] * len(messages))
+        )
+        assert [v.action for v in verdicts] == ["ack"] * len(messages)
+        with db.engine.connect() as conn, pytest.raises(DBAPIError) as raised:
+            conn.exec_driver_sql("SELECT 1" + " UNION ALL SELECT 1" * 600)
+        assert "too many terms in compound SELECT" in str(raised.value.orig)
+        assert not is_unavailable(raised.value)
+        # SQLITE_TOOBIG is a DataError: never taken for an outage.
+        _lowered(db.engine, sqlite3.SQLITE_LIMIT_LENGTH, 4096)
+        with pytest.raises(DBAPIError) as raised:
+            inbox.receive(message("big", body=b"x" * 5000))
+        assert raised.value.orig.sqlite_errorname == "SQLITE_TOOBIG"
+        assert not is_unavailable(raised.value)
+
+
+def test_a_sqlite_database_that_cannot_be_used_now_is_an_outage(tmp_path):
+    # What the codes say is the database, not the statement, stays an
+    # outage: a write lock held past the busy timeout, a read-only file, a
+    # file that cannot be opened, a full database; and the writers' turn
+    # past the busy timeout, an error of the driver's class without a code.
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
+    from webhook_receiver.database import _locked, is_unavailable
+
+    path = tmp_path / "db.sqlite3"
+    with sqlite3.connect(path) as setup:
+        setup.execute("CREATE TABLE t (v TEXT)")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    cases = {
+        "SQLITE_BUSY": (f"sqlite:///{path}", {"timeout": 0}, "INSERT INTO t VALUES ('x')"),
+        "SQLITE_READONLY": (
+            f"sqlite:///file:{path}?mode=ro&uri=true",
+            {},
+            "INSERT INTO t VALUES ('x')",
+        ),
+        "SQLITE_CANTOPEN": (f"sqlite:///{tmp_path / 'missing' / 'db.sqlite3'}", {}, "SELECT 1"),
+    }
+    try:
+        for name, (url, connect_args, statement) in cases.items():
+            engine = create_engine(url, connect_args=connect_args)
+            try:
+                with pytest.raises(DBAPIError) as raised, engine.connect() as conn:
+                    conn.exec_driver_sql(statement)
+            finally:
+                engine.dispose()
+            assert raised.value.orig.sqlite_errorname.startswith(name), raised.value
+            assert is_unavailable(raised.value), name
+    finally:
+        holder.rollback()
+        holder.close()
+    full = create_engine(f"sqlite:///{path}")
+    try:
+        with full.connect() as conn, pytest.raises(DBAPIError) as raised:
+            conn.exec_driver_sql("PRAGMA max_page_count = 3")
+            conn.exec_driver_sql("INSERT INTO t SELECT zeroblob(100000)")
+    finally:
+        full.dispose()
+    assert raised.value.orig.sqlite_errorname == "SQLITE_FULL"
+    assert is_unavailable(raised.value)
+    assert is_unavailable(_locked())

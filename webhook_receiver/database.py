@@ -180,6 +180,33 @@ _AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED})
 # 256 MB). psycopg files it under OperationalError, but the statement is at
 # fault, not the database: sent again, it fails again.
 _PROGRAM_LIMIT_CLASS = "54"
+# SQLite's primary result codes (an error's ``sqlite_errorcode`` & 0xFF) of
+# a database that cannot be used now: busy or locked past the busy timeout,
+# out of memory, read-only, interrupted, an I/O error, a full disk, a file
+# that cannot be opened, a lock protocol error, a statement prepared before
+# the schema changed, a permission refused, a statement aborted by a
+# rollback. The driver files them under OperationalError, but so it does
+# SQLITE_ERROR, what a faulty statement gets (too many SQL variables, too
+# many terms in a compound SELECT, a syntax error, a missing table), and
+# SQLITE_RANGE and SQLITE_MISUSE are InterfaceErrors: sent again, those
+# fail again. Any code not here (SQLITE_TOOBIG, a DataError: a string or
+# blob past SQLITE_MAX_LENGTH; a constraint) is the statement's fault too.
+_SQLITE_AWAY_CODES = frozenset(
+    {
+        sqlite3.SQLITE_PERM,
+        sqlite3.SQLITE_ABORT,
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+        sqlite3.SQLITE_NOMEM,
+        sqlite3.SQLITE_READONLY,
+        sqlite3.SQLITE_INTERRUPT,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_PROTOCOL,
+        sqlite3.SQLITE_SCHEMA,
+    }
+)
 # deadlock_detected and serialization_failure: the transaction lost a race
 # with another one and was rolled back; run again, it is expected to pass.
 _CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
@@ -199,7 +226,11 @@ def is_unavailable(exc: BaseException) -> bool:
     its timeout is a busy database too. So is a statement cancelled by the
     statement timeout (SQLSTATE 57014), whatever class the driver gives it.
     A statement past one of PostgreSQL's limits (SQLSTATE class 54, an
-    OperationalError to psycopg) is not: it is the statement's fault. A
+    OperationalError to psycopg) is not: it is the statement's fault. On
+    SQLite an error is told by its result code (``_SQLITE_AWAY_CODES``), not
+    its class: SQLITE_ERROR (too many SQL variables, say) is an
+    OperationalError, and the statement's fault; an error the driver made
+    without a code (the writers' turn past the busy timeout) by its class. A
     deadlock or serialization failure (is_conflict, an OperationalError to
     psycopg) is a busy database here: ``retrying_conflicts`` runs the unit
     of work again at once first, so only one that outlasts its attempts
@@ -209,6 +240,9 @@ def is_unavailable(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, DBAPIError):
         return False
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if code is not None:
+        return bool(exc.connection_invalidated) or code & 0xFF in _SQLITE_AWAY_CODES
     sqlstate = getattr(exc.orig, "sqlstate", None)
     if isinstance(exc, OperationalError | InterfaceError):
         return not (
