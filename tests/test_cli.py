@@ -351,3 +351,31 @@ def test_commands_are_wrapped_once_however_many_apps_a_process_makes(tmp_path):
         invoke = app.cli.commands[name].invoke
         assert hasattr(invoke, "__wrapped__")
         assert not hasattr(invoke.__wrapped__, "__wrapped__"), name
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["deliveries", "attempts", str(2**63)], "EVENT_ID"),
+        (["deliveries", "attempts", "99999999999999999999"], "EVENT_ID"),
+        (["deliveries", "replay", "--event", str(2**63)], "--event"),
+        (["deliveries", "replay", "--limit", str(2**63), "--dry-run"], "--limit"),
+        (["deliveries", "replay", "--since", "9999-12-31T23:00-05:00", "--dry-run"], "--since"),
+        (["deliveries", "replay", "--until", "0001-01-01T00:00+05:00", "--dry-run"], "--until"),
+        (["deliveries", "replay", "--source", "a\x00b", "--dry-run"], "--source"),
+        (["deliveries", "replay", "--consumer", "a\x00b", "--dry-run"], "--consumer"),
+        (["deliveries", "replay", "--type", "a\x00b", "--dry-run"], "--type"),
+        (["deliveries", "replay", "--event", "1", "--consumer", "a\x00b"], "--consumer"),
+        (["deliveries", "replay", "--rest", "nan", "--dry-run"], "--rest"),
+        (["deliveries", "replay", "--rest", "inf", "--dry-run"], "--rest"),
+    ],
+)
+def test_deliveries_arguments_the_database_cannot_take_are_usage_errors(runner, args, named):
+    # Each passed click's own checks, then reached the driver (an id or count
+    # past 64 bits, a time out of range once in UTC, a NUL for PostgreSQL) and
+    # ended in a traceback; a rest of NaN or infinity broke or stalled the
+    # replay after its first batch. Now each is a usage error naming the option.
+    result = runner.invoke(args=args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Error: Invalid value for" in result.output and named in result.output
+    assert "Traceback" not in result.output

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import getpass
+import math
 import socket
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +26,27 @@ from ..outbox import attempts, replays
 from ..outbox.replays import Filter
 from . import replay
 
+# Ids and counts are signed 64-bit in the database: a larger number names no
+# row, and the drivers refuse to bind it (a traceback, not an answer).
+_ID = click.IntRange(min=1, max=2**63 - 1)
+_COUNT = click.IntRange(min=1, max=2**63 - 1)
+
+
+def _text(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    # PostgreSQL refuses a NUL in any text it is sent; no name holds one.
+    if value and "\x00" in value:
+        raise click.BadParameter("holds a NUL character")
+    return value
+
+
+def _rest(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    # NaN passes FloatRange(min=0) (it compares false with everything), and
+    # infinity passes it too: either would end the replay after its first
+    # batch (time.sleep refuses NaN) or never end it.
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
 
 @click.group("deliveries")
 def deliveries_group() -> None:
@@ -33,7 +55,7 @@ def deliveries_group() -> None:
 
 @deliveries_group.command("attempts")
 @with_appcontext
-@click.argument("event_id", type=click.IntRange(min=1))
+@click.argument("event_id", type=_ID)
 def attempts_command(event_id: int) -> None:
     """Print each delivery of EVENT_ID with its attempts, oldest first."""
     try:
@@ -91,7 +113,16 @@ def _moment(value: str | None, name: str) -> datetime | None:
             f"{value!r} is not an ISO 8601 date and time (2026-12-01T08:00Z)", param_hint=name
         ) from exc
     # A time without a zone is UTC, as everywhere in the receiver.
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:
+        # In UTC now, as it is bound: a time whose offset takes it past year
+        # 1 or 9999 cannot be (a traceback from the driver otherwise).
+        return moment.astimezone(UTC)
+    except OverflowError as exc:
+        raise click.BadParameter(
+            f"{value!r} is out of range once in UTC (years 1 to 9999)", param_hint=name
+        ) from exc
 
 
 def actor() -> str:
@@ -105,16 +136,18 @@ def actor() -> str:
 
 @deliveries_group.command("replay")
 @with_appcontext
-@click.option("--event", "event_id", type=click.IntRange(min=1), help="Replay this event only.")
-@click.option("--consumer", default="", help="Only deliveries to this consumer.")
-@click.option("--source", default="", help="Only events of this source (bulk).")
-@click.option("--type", "event_type", default="", help="Only events of this type (bulk).")
+@click.option("--event", "event_id", type=_ID, help="Replay this event only.")
+@click.option("--consumer", default="", callback=_text, help="Only deliveries to this consumer.")
+@click.option("--source", default="", callback=_text, help="Only events of this source (bulk).")
+@click.option(
+    "--type", "event_type", default="", callback=_text, help="Only events of this type (bulk)."
+)
 @click.option(
     "--state", type=click.Choice(replays.STATES), help="Only deliveries in this state (bulk)."
 )
 @click.option("--since", help="Only events received at or after this time (ISO 8601, UTC).")
 @click.option("--until", help="Only events received before this time (ISO 8601, UTC).")
-@click.option("--limit", type=click.IntRange(min=1), help="Replay at most this many (bulk).")
+@click.option("--limit", type=_COUNT, help="Replay at most this many (bulk).")
 @click.option(
     "--new-key", is_flag=True, help="Send with a new key: ':replay-<n>' after the usual one."
 )
@@ -123,6 +156,7 @@ def actor() -> str:
 @click.option(
     "--rest",
     type=click.FloatRange(min=0),
+    callback=_rest,
     default=replay.REST,
     show_default=True,
     help="After each batch, wait this many times as long as it took (bulk): "
