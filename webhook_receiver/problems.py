@@ -102,8 +102,13 @@ _HTTP_SLUGS = {
 _JSON_PREFIXES = ("/api/", "/webhooks/", "/problems/", "/metrics", "/readyz", "/healthz")
 
 
+# The machine surfaces' own paths that no prefix above covers: the document
+# and the list of problem types are read by programs too.
+_JSON_PATHS = frozenset({"/api", "/webhooks", "/problems", "/openapi.json"})
+
+
 def _wants_problem_json() -> bool:
-    return request.path.startswith(_JSON_PREFIXES) or request.path in ("/api", "/webhooks")
+    return request.path.startswith(_JSON_PREFIXES) or request.path in _JSON_PATHS
 
 
 def _refuse_streamed_body_over_the_limit() -> None:
