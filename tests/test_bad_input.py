@@ -540,3 +540,22 @@ def test_a_malformed_chunk_size_is_a_400_on_every_path(server, size_line):
         if problem_json:
             assert response.headers.get("content-type") == "application/problem+json", path
     assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_body_refused_before_any_view_still_answers_the_request_id(server):
+    # The chunked body is checked in the app's first before_request, ahead
+    # of the one that takes the correlation id: its 400 (and the 413 of a
+    # chunked body over the limit) went out without X-Request-Id, which every
+    # answer carries, and its log lines without the id.
+    for body, status in [
+        (b"zz\r\nabc\r\n0\r\n\r\n", 400),
+        (chunked(b"x" * (LIMIT + 1000)), 413),
+    ]:
+        response = raw(
+            server,
+            b"POST /api/events HTTP/1.1\r\nHost: x\r\nX-Request-Id: req-7\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + body,
+        )
+        assert response.status == status, response.body[:300]
+        assert response.headers.get("x-request-id") == "req-7", response.headers

@@ -36,9 +36,13 @@ def current() -> str | None:
 def init_app(app: Flask) -> None:
     """Set ``g.correlation_id`` before each request and echo it in the response."""
 
-    @app.before_request
     def _set() -> None:
         g.correlation_id = from_request()
+
+    # First of the app's before_request functions, whatever was registered
+    # earlier: a request refused by one of those (problems.py's check of a
+    # chunked body) still gets its id, in its answer and its log lines.
+    app.before_request_funcs.setdefault(None, []).insert(0, _set)
 
     @app.after_request
     def _echo(response: Response) -> Response:
