@@ -31,6 +31,11 @@ SOURCES = {
         "dedup_key": "json:/id",
     },
     "slack": {"provider": "slack", "secrets": [SLACK_SECRET]},
+    "ce": {
+        "provider": "cloudevents",
+        "secrets": [GENERIC_SECRET],
+        "signature_header": "X-Signature",
+    },
 }
 
 
@@ -193,3 +198,64 @@ def test_a_problem_answer_links_to_its_description(api):
     described = api.get(refused.get_json()["type"])
     assert described.status_code == 200
     assert described.get_json()["status"] == refused.status_code
+
+
+def test_slack_notice_ignored_matches_the_document(spec, api):
+    # A callback without event_id is answered {"status": "ignored", "type": ...}:
+    # the document's 200 allowed only "accepted" and the challenge.
+    body, headers = slack_delivery({"type": "app_rate_limited", "minute_rate_limited": 1})
+    response = checked(spec, api.post("/webhooks/slack", data=body, headers=headers))
+    assert response.get_json() == {"status": "ignored", "type": "app_rate_limited"}
+
+
+def test_cloudevents_batch_accepted_and_redelivered_matches_the_document(spec, api):
+    # A batch is answered with each entry's event id and status; the document
+    # allowed only a single {"status", "event_id"} object.
+    events = [
+        {"specversion": "1.0", "id": f"o-{n}", "source": "/orders", "type": "t", "data": n}
+        for n in (1, 2)
+    ]
+    body = json.dumps(events).encode()
+    headers = {
+        "X-Signature": "sha256=" + hmac_hex(body),
+        "Content-Type": "application/cloudevents-batch+json",
+    }
+    first = checked(spec, api.post("/webhooks/ce", data=body, headers=headers))
+    assert [e["status"] for e in first.get_json()["events"]] == ["accepted", "accepted"]
+    again = checked(spec, api.post("/webhooks/ce", data=body, headers=headers))
+    assert [e["status"] for e in again.get_json()["events"]] == ["duplicate", "duplicate"]
+
+
+def test_cloudevents_validation_handshake_matches_the_document(spec, api):
+    # OPTIONS /webhooks/<source> is a route of its own (the CloudEvents
+    # webhook handshake), answered 200 or 400; the document had no OPTIONS.
+    origin = {"WebHook-Request-Origin": "eventgrid.azure.net", "WebHook-Request-Rate": "120"}
+    answer = checked(spec, api.options("/webhooks/ce", headers=origin))
+    assert answer.status_code == 200
+    assert answer.headers["WebHook-Allowed-Origin"] == "eventgrid.azure.net"
+    bad = checked(
+        spec,
+        api.options("/webhooks/ce", headers={"WebHook-Request-Origin": "a b"}),
+        request_too=False,
+    )
+    assert bad.status_code == 400
+
+
+def test_every_route_of_the_machine_surfaces_is_in_the_document_and_only_those(api):
+    # What the app routes, method by method (Flask's automatic HEAD and
+    # OPTIONS aside), against what the document lists.
+    doc = api.get("/openapi.json").get_json()
+    documented = {(path, method.upper()) for path, ops in doc["paths"].items() for method in ops}
+    routed = set()
+    for rule in api.application.url_map.iter_rules():
+        if rule.endpoint in ("static", "favicon") or rule.rule.startswith("/admin"):
+            continue
+        if rule.rule == "/problems/":  # the same page as /problems
+            continue
+        path = rule.rule.replace("<int:event_id>", "{id}").replace("<source_name>", "{source}")
+        path = path.replace("<slug>", "{slug}")
+        methods = set(rule.methods or ()) - {"HEAD"}
+        if getattr(rule, "provide_automatic_options", False):
+            methods.discard("OPTIONS")
+        routed |= {(path, method) for method in methods}
+    assert routed == documented

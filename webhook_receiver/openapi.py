@@ -138,7 +138,8 @@ def _paths() -> dict[str, Any]:
                     "content": {
                         "application/json": {"schema": {}},
                         "application/x-www-form-urlencoded": {"schema": {"type": "object"}},
-                        "*/*": {"schema": {"type": "string", "format": "binary"}},
+                        # Any bytes (OpenAPI 3.1: a schema that constrains nothing).
+                        "*/*": {"schema": {}},
                     },
                 },
                 "responses": {
@@ -152,12 +153,54 @@ def _paths() -> dict[str, Any]:
                             "X-Request-Id": _REQUEST_ID,
                         },
                         "content": _json(
-                            {"oneOf": [_ref("WebhookAccepted"), _ref("SlackChallenge")]}
+                            {
+                                "oneOf": [
+                                    _ref("WebhookAccepted"),
+                                    _ref("WebhookBatchAccepted"),
+                                    _ref("SlackChallenge"),
+                                    _ref("SlackIgnored"),
+                                ]
+                            }
                         ),
                     },
                     **_problems(400, 401, 404, 413, 415, 422, 503),
                 },
-            }
+            },
+            "options": {
+                "operationId": "validateWebhook",
+                "summary": "The CloudEvents webhook validation handshake",
+                "description": (
+                    "For a `cloudevents` source, a `WebHook-Request-Origin` is answered with "
+                    "`WebHook-Allowed-Origin` (and `WebHook-Allowed-Rate: *` when a rate was "
+                    "asked). Any other OPTIONS gets the methods in `Allow`."
+                ),
+                "tags": ["Webhooks"],
+                "parameters": [
+                    {
+                        "name": "source",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    },
+                    {
+                        "name": "WebHook-Request-Origin",
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "string"},
+                    },
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The handshake's answer, or the allowed methods.",
+                        "headers": {
+                            "Allow": {"schema": {"type": "string"}},
+                            "WebHook-Allowed-Origin": {"schema": {"type": "string"}},
+                            "WebHook-Allowed-Rate": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **_problems(400),
+                },
+            },
         },
         "/healthz": {
             "get": {
@@ -306,6 +349,34 @@ def _schemas() -> dict[str, Any]:
                 "status": {"const": "accepted"},
                 "event_id": {"type": "integer"},
             },
+            "additionalProperties": False,
+        },
+        "WebhookBatchAccepted": {
+            "type": "object",
+            "description": "A CloudEvents batch: each entry's event, in the batch's order.",
+            "required": ["status", "events"],
+            "properties": {
+                "status": {"const": "accepted"},
+                "events": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["event_id", "status"],
+                        "properties": {
+                            "event_id": {"type": "integer"},
+                            "status": {"enum": ["accepted", "duplicate"]},
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "additionalProperties": False,
+        },
+        "SlackIgnored": {
+            "type": "object",
+            "description": "A Slack callback that is no event (app_rate_limited, ...): not stored.",
+            "required": ["status", "type"],
+            "properties": {"status": {"const": "ignored"}, "type": {"type": "string"}},
             "additionalProperties": False,
         },
         "SlackChallenge": {
