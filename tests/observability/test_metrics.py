@@ -283,3 +283,16 @@ def test_the_readme_lists_every_metric_served(app, client):
     assert collected == served
     assert "webhook_receiver_broker_dead_letters_total" in served
     assert _readme_metrics() == served
+
+
+@pytest.mark.parametrize("token", ["0", "false", "null", "[]", "1e3", "12.50"])
+def test_a_metrics_token_from_the_environment_is_taken_as_written(make_app, monkeypatch, token):
+    # Flask's from_prefixed_env reads each value as JSON when it can: a token
+    # of "0", "false", "null" or "[]" became falsy and left /metrics open to
+    # anyone, and "1e3" became 1000.0, refusing the token as written.
+    monkeypatch.setenv("WEBHOOK_RECEIVER_METRICS_TOKEN", token)
+    client = make_app(CONFIG).test_client()
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert ok.status_code == 200

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..config import ConfigError
 from ..extensions import db
 from ..models import Delivery
 from ..outbox import circuits
@@ -325,8 +326,25 @@ def watch_deliveries(app: Flask) -> None:
     registry.get(app).outcome_hooks.append(on_attempt)
 
 
+TOKEN_ENV = "WEBHOOK_RECEIVER_METRICS_TOKEN"
+
+
+def _token_as_written(app: Flask) -> None:
+    # Flask's from_prefixed_env reads each value as JSON when it can: a token
+    # "0", "false", "null" or "[]" would become falsy (no token: /metrics open
+    # to anyone) and "1e3" the float 1000.0. A token is the text as written.
+    token = app.config.get("METRICS_TOKEN")
+    raw = os.environ.get(TOKEN_ENV)
+    if raw is not None and not isinstance(token, str):
+        token = raw
+    if token is not None and not isinstance(token, str):
+        raise ConfigError(f"METRICS_TOKEN must be a string, got {type(token).__name__}")
+    app.config["METRICS_TOKEN"] = token
+
+
 def init_app(app: Flask) -> None:
     """Give the app its metrics, time its requests and serve ``/metrics``."""
+    _token_as_written(app)
     app.extensions[EXTENSION] = Metrics(CollectorRegistry(auto_describe=True))
     app.extensions[EXTENSION].registry.register(_DeliveryBacklog())
     app.extensions[EXTENSION].registry.register(_Circuits())
