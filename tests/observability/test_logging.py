@@ -233,3 +233,31 @@ def test_gunicorn_writes_json_receipt_lines_to_stderr(db_url, tmp_path):
     (created,) = [r for r in records if r.get("source") == "api:acme"]
     assert created["outcome"] == "completed" and created["dedup_key"] == "g-1"
     assert_clean(log)
+
+
+@pytest.mark.parametrize("level", ["verbose", "loud", True, 1.5])
+def test_log_level_is_validated(tmp_path, level):
+    # An unknown WEBHOOK_RECEIVER_LOG_LEVEL ended create_app with logging's
+    # ValueError: a traceback under the flask CLI and gunicorn, where a bad
+    # LOG_FORMAT is one line naming the setting.
+    with pytest.raises(ConfigError, match="LOG_LEVEL"):
+        create_app(
+            {
+                "TESTING": True,
+                "LOG_LEVEL": level,
+                "SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path}/x.sqlite3",
+                "RECEIVER_CONFIG": {},
+            }
+        )
+
+
+@pytest.mark.parametrize("level", ["debug", "WARNING", 10, "", None])
+def test_known_log_levels_are_taken(tmp_path, level):
+    create_app(
+        {
+            "TESTING": True,
+            "LOG_LEVEL": level,
+            "SQLALCHEMY_DATABASE_URI": f"sqlite:///{tmp_path}/x.sqlite3",
+            "RECEIVER_CONFIG": {},
+        }
+    )

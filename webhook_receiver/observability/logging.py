@@ -115,11 +115,32 @@ def already_configured() -> bool:
     return any(not isinstance(h, _Handler) and h is not default_handler for h in package.handlers)
 
 
+def log_level(value: Any) -> str | int:
+    """The ``LOG_LEVEL`` setting as ``logging`` takes it (INFO when unset), or ConfigError."""
+    if value is None or value == "":
+        return "INFO"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        name = value.strip().upper()
+        if name.isdigit():
+            return int(name)
+        if name in logging.getLevelNamesMapping():
+            return name
+    raise ConfigError(
+        f"LOG_LEVEL must be a level name (DEBUG, INFO, WARNING, ERROR, CRITICAL) or a "
+        f"number, not {value!r}"
+    )
+
+
 def init_app(app: Flask) -> None:
     """Configure JSON (or text) logs for this app, unless testing or configured elsewhere."""
     fmt: Any = app.config.get("LOG_FORMAT") or ("text" if app.debug else "json")
     if fmt not in FORMATS:
         raise ConfigError(f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    # Checked here, like the format: logging's own ValueError would end
+    # create_app with a traceback.
+    level = log_level(app.config.get("LOG_LEVEL"))
     if app.testing or already_configured():
         return
-    configure(fmt, app.config.get("LOG_LEVEL") or "INFO")
+    configure(fmt, level)
