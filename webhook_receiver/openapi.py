@@ -44,7 +44,10 @@ _REPLAYED = {
     "schema": {"type": "string", "enum": ["true"]},
 }
 _REQUEST_ID = {
-    "description": "The caller's X-Request-Id, the trace id of its traceparent, or a new id.",
+    "description": (
+        "The caller's X-Request-Id when it is 1-200 characters of `A-Za-z0-9._:@/+=-` "
+        "(any other value is dropped), else the trace id of its traceparent, or a new id."
+    ),
     "schema": {"type": "string"},
 }
 

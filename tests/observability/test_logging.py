@@ -261,3 +261,35 @@ def test_known_log_levels_are_taken(tmp_path, level):
             "RECEIVER_CONFIG": {},
         }
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("a" * 200, True),
+        ("a" * 201, False),
+        ("req\x01id", False),
+        ("req\tid", False),
+        ("req id", False),
+        ("rëq", False),
+    ],
+)
+def test_a_callers_request_id_is_kept_only_when_bounded_and_plain(
+    app, client, captured, given, kept
+):
+    from webhook_receiver.models import Event
+
+    response = client.post(
+        "/api/events",
+        data=json.dumps({"type": "t", "data": 1}),
+        content_type="application/json",
+        headers={**bearer(), "Idempotency-Key": "rid-1", "X-Request-Id": given},
+    )
+    assert response.status_code == 201
+    echoed = response.headers["X-Request-Id"]
+    assert (echoed == given) is kept
+    assert len(echoed) <= 200 and echoed.isprintable() and " " not in echoed
+    (line,) = lines(captured)
+    assert line["correlation_id"] == echoed
+    with app.app_context():
+        assert db.session.get(Event, response.get_json()["id"]).correlation_id == echoed
