@@ -106,6 +106,37 @@ def test_readyz_refuses_an_empty_sqlite_file(make_app, tmp_path):
     response = app.test_client().get("/readyz")
     assert response.status_code == 503
     assert response.get_json()["type"] == "/problems/database-unavailable"
+    # Reachable, with no schema: the answer said it could not be reached.
+    assert "run the migrations" in response.get_json()["detail"]
+
+
+def test_readyz_on_a_database_without_any_table_says_to_run_the_migrations(make_app, db_url):
+    from sqlalchemy import text
+
+    from webhook_receiver.extensions import db
+
+    app = make_app()
+    with app.app_context():
+        db.session.execute(text("DROP TABLE alembic_version"))
+        db.session.commit()
+    try:
+        response = app.test_client().get("/readyz")
+        assert response.status_code == 503
+        assert response.mimetype == "application/problem+json"
+        assert "run the migrations" in response.get_json()["detail"]
+    finally:
+        with app.app_context():
+            db.session.execute(
+                text("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)")
+            )
+            db.session.execute(text("INSERT INTO alembic_version VALUES (:v)"), {"v": _head(app)})
+            db.session.commit()
+
+
+def _head(app):
+    from webhook_receiver.health import _migration_head
+
+    return _migration_head(app.extensions["migrate"].directory)
 
 
 def test_readyz_is_503_while_the_database_refuses_writes(make_app, db_url) -> None:

@@ -21,15 +21,24 @@ from .config import ConfigError
 _NO_SCHEMA = ("no such table", "undefinedtable", 'relation "')
 
 
+def _cause(exc: DBAPIError) -> str:
+    return str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+
+
+def is_missing_schema(exc: BaseException) -> bool:
+    """Tell whether a database error says a table is missing: the migrations never ran."""
+    return isinstance(exc, OperationalError | ProgrammingError) and any(
+        marker in f"{type(exc.orig).__name__} {_cause(exc)}".lower() for marker in _NO_SCHEMA
+    )
+
+
 def explain(exc: BaseException) -> str | None:
     """The one-line message for a failure an operator can fix, or None for a bug."""
     if isinstance(exc, ConfigError):
         return str(exc)
     if isinstance(exc, DBAPIError):
-        cause = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
-        if isinstance(exc, OperationalError | ProgrammingError) and any(
-            marker in f"{type(exc.orig).__name__} {cause}".lower() for marker in _NO_SCHEMA
-        ):
+        cause = _cause(exc)
+        if is_missing_schema(exc):
             return (
                 f"the database has no schema yet ({cause}): "
                 "run `flask --app wsgi db upgrade` (make run does)"

@@ -8,6 +8,7 @@ import os
 from flask import Blueprint, Response, current_app, jsonify
 from sqlalchemy import text
 
+from .cli import is_missing_schema
 from .extensions import db
 from .problems import Problem
 
@@ -38,6 +39,13 @@ def readyz() -> Response:
         # Unreachable, read-only, or reachable with no schema yet (an SQLite
         # file is created on first connect): not ready to take traffic.
         current_app.logger.warning("not ready: %s", exc)
+        if is_missing_schema(exc):
+            # Reachable, and writable for all we know: say what to do.
+            raise Problem(
+                "database-unavailable",
+                "the database has no schema yet: run the migrations",
+                headers={"Retry-After": "30"},
+            ) from exc
         raise Problem(
             "database-unavailable",
             "the database cannot be reached or does not take writes",
