@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
+from .cli import is_missing_schema
 from .database import is_unavailable
 from .extensions import db
 
@@ -158,5 +159,16 @@ def init_app(app: Flask) -> None:
         if is_unavailable(exc):
             app.logger.warning("database unavailable: %s", exc)
             return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
+        if is_missing_schema(exc):
+            # Code ahead of its migrations (a deploy in progress): nothing was
+            # committed and the request will succeed once they ran, as /readyz says.
+            app.logger.error("the database has no schema yet: run the migrations (%s)", exc)
+            return problem_response(
+                Problem(
+                    "database-unavailable",
+                    "the database has no schema yet",
+                    headers={"Retry-After": "30"},
+                )
+            )
         app.logger.exception("database error")
         return problem_response(Problem("internal-error"))
