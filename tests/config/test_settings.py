@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -16,6 +20,8 @@ from webhook_receiver.models import EventDuplicate, IdempotencyRecord, utcnow
 
 from ..conftest import bearer
 from .conftest import build, dispose
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # -- DATABASE_URL -------------------------------------------------------------
 
@@ -40,6 +46,47 @@ def test_database_url_is_mapped_to_psycopg(instance, monkeypatch, url, expected)
             assert (engine.dialect.name, engine.dialect.driver) == ("postgresql", "psycopg")
             assert engine.url.render_as_string(hide_password=False) == expected
     dispose(app)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("nonsense", "is not a database URL"),
+        ("mysql://u:hunter2@db.example/app", "PostgreSQL (postgresql://"),
+        ("postgresql+psycopg2://u:hunter2@db.example/app", "PostgreSQL (postgresql://"),
+        ("sqlite+aiosqlite:////tmp/app.sqlite3", "PostgreSQL (postgresql://"),
+    ],
+)
+def test_a_database_url_the_receiver_cannot_use_is_a_config_error_without_its_password(
+    instance, monkeypatch, url, said
+):
+    with pytest.raises(cfg.ConfigError, match="DATABASE_URL") as raised:
+        cfg.database_uri(url, "/unused")
+    assert said in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+    monkeypatch.setenv("DATABASE_URL", url)
+    with pytest.raises(cfg.ConfigError, match="DATABASE_URL"):
+        build(RECEIVER_CONFIG={})
+
+
+def test_the_flask_cli_says_a_database_url_it_cannot_use_in_one_line(tmp_path):
+    # Before, SQLAlchemy's ArgumentError (or NoSuchModuleError) ended the app
+    # factory with a traceback, which the flask CLI showed as "No such command".
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("WEBHOOK_RECEIVER_")},
+        "DATABASE_URL": "mysql://u:hunter2@db.example/app",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "wsgi", "consume", "--list"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "Error: DATABASE_URL" in done.stderr
+    assert "Traceback" not in done.stderr and "hunter2" not in done.stderr + done.stdout
 
 
 def test_postgres_url_given_in_test_config_is_mapped_too(instance):

@@ -12,6 +12,9 @@ import os
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 # Stripe and Standard Webhooks retry for about three days; operators replay
 # dead letters later still. Markers kept for less let duplicates back in.
 MIN_RETENTION_DAYS = 3
@@ -137,7 +140,25 @@ def database_uri(url: str | None, instance_path: str) -> str:
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
+    # Refused here, in one line, rather than by SQLAlchemy as a traceback when
+    # the app starts (or, under the flask CLI, as "No such command").
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ConfigError(
+            f"DATABASE_URL {redact_url(url)!r} is not a database URL: "
+            "give postgresql://user:password@host/name or sqlite:////path/to/file"
+        ) from None
+    if (parsed.get_backend_name(), parsed.get_driver_name()) not in _DRIVERS:
+        raise ConfigError(
+            f"DATABASE_URL {redact_url(url)!r}: the receiver runs on PostgreSQL "
+            "(postgresql://, through psycopg 3) or SQLite (sqlite:///), no other database"
+        )
     return url
+
+
+# The databases the receiver's SQL is written for, through the drivers it ships.
+_DRIVERS = {("postgresql", "psycopg"), ("sqlite", "pysqlite")}
 
 
 def redact_url(url: str) -> str:
