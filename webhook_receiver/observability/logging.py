@@ -1,8 +1,11 @@
 """Structured logs: one JSON object per line, each with the request's correlation id.
 
-The receipt and the Idempotency-Key engine log one line per delivery or
-request with ``source``, ``dedup_key``, ``event_id``, ``outcome`` and
-``correlation_id`` as fields (passed through ``extra``). Callers never put
+The inbox logs one line per delivery (or per batch, naming each message)
+with ``source``, ``dedup_key``, ``event_id`` and ``outcome``; the
+Idempotency-Key engine one per request with ``source``, ``client``,
+``dedup_key``, ``outcome`` and ``status`` (it knows no event: the API's
+answer names it). Fields are passed through ``extra``, and every line
+carries the request's ``correlation_id``. Callers never put
 secrets or bodies in a line; JSON escaping keeps a key with CR/LF from
 forging a line of its own.
 
