@@ -114,7 +114,7 @@ def gunicorn(
         )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     try:
-        if not wait_until(lambda: _healthy(server), timeout=30):
+        if not wait_until(lambda: _healthy(server), timeout=60):
             raise RuntimeError(f"gunicorn did not start:\n{server.log()}")
         yield server
     finally:
@@ -144,6 +144,28 @@ def stop(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
         pass
 
 
+def read_http_request(conn: socket.socket) -> bytes | None:
+    """One HTTP/1.1 request read from ``conn`` (head and Content-Length body); None if it closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 class Relay:
     """A TCP relay on loopback in front of a server, which can stop passing the server's bytes on.
 
@@ -153,8 +175,11 @@ class Relay:
     connection (the client sees them closed).
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, hold_after: bytes | None = None) -> None:
         self._target = port
+        # Hold once the server has sent these bytes on a connection (a
+        # protocol's handshake passed, the next answer dropped).
+        self._hold_after = hold_after
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._holding = threading.Event()
@@ -207,11 +232,24 @@ class Relay:
             threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
 
+    def _held(self, _server: socket.socket) -> bool:
+        """Whether the answers coming from this server-side socket are dropped."""
+        return self._holding.is_set()
+
+    def _pass_on(self, data: bytes, sink: socket.socket, _from_server: bool) -> None:
+        """Send ``data`` on to the other side (a subclass may slow or reshape it)."""
+        sink.sendall(data)
+
     def _pipe(self, source: socket.socket, sink: socket.socket, from_server: bool) -> None:
+        sent = b""
         try:
             while data := source.recv(65536):
-                if not (from_server and self._holding.is_set()):
-                    sink.sendall(data)
+                if not (from_server and self._held(source)):
+                    self._pass_on(data, sink, from_server)
+                if from_server and self._hold_after is not None and not self._holding.is_set():
+                    sent += data
+                    if self._hold_after in sent:
+                        self._holding.set()
         except OSError:
             pass
         # Either side gone: both are closed, and the other direction ends too.

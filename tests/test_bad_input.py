@@ -6,11 +6,17 @@ a body over the limit, chunked or not) reaches the server as it is. Malformed
 header lines never reach the app: gunicorn's parser answers them with its
 own 400 page, so those cases check the status only.
 
-After each case the tables are exactly as before, with one exception by
-design: an unauthentic delivery leaves a row in ``rejections`` (counted, no
-body). An API request refused before its view began (a body that does not
-parse or validate, 413, 415) binds no Idempotency-Key: nothing is saved,
-and the corrected request with the same key is answered afresh.
+After each case the tables are exactly as before (but for the one valid
+delivery among them, a lone surrogate's escape in a Stripe event's data,
+which is stored), with one exception by design: a webhook delivery refused
+before storage leaves a count in ``rejections`` (no body) under its reason:
+``signature`` when it is not authentic, ``refused-<problem>`` when it is
+signed but refused for what it holds (its sender will retry it unchanged).
+A refusal gunicorn answers itself, or one the app refuses before the
+signature is checked (413), leaves none. An API request refused before its
+view began (a body that does not parse or validate, 413, 415) binds no
+Idempotency-Key: nothing is saved, and the corrected request with the same
+key is answered afresh.
 """
 
 from __future__ import annotations
@@ -52,7 +58,20 @@ TABLES = (
     "idempotency_records",
     "rejections",
 )
-NOTHING, REJECTION = "nothing", "rejection"
+NOTHING = "nothing"
+
+
+def rejected(reason: str) -> str:
+    """What a refused webhook delivery leaves: one more count in ``rejections`` under ``reason``."""
+    return f"rejections:{reason}"
+
+
+# A delivery the app takes in: one more event.
+STORED = "events"
+UNAUTHENTIC = rejected("signature")
+INVALID = rejected("refused-payload-invalid")
+NO_KEY = rejected("refused-dedup-key-missing")
+BAD_MEDIA_TYPE = rejected("refused-unsupported-media-type")
 
 
 @dataclass(frozen=True)
@@ -152,7 +171,7 @@ def too_big_chunked(path: str, headers: list[tuple[bytes, bytes]]) -> bytes:
     )
 
 
-# (name, request bytes, status, problem slug or None for gunicorn's own page, what remains)
+# (name, request bytes, status, problem slug or None (gunicorn's own page, a 200), what remains)
 def webhook_cases() -> list[tuple[object, ...]]:
     """The cases, signed now: a Stripe signature made at import would be stale in a long run."""
     return [
@@ -161,7 +180,7 @@ def webhook_cases() -> list[tuple[object, ...]]:
             webhook(b'{"id":"evt_\xff\xfe","type":"t"}'),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "over the limit (Content-Length)",
@@ -182,77 +201,85 @@ def webhook_cases() -> list[tuple[object, ...]]:
             webhook(stripe_event(data=json.loads(nested(257)))),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "nested 5000 deep",
             webhook(b'{"id":"e","data":' + nested(5000) + b"}"),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
-            "lone surrogate",
+            # Valid JSON (RFC 8259 8.2), stored as sent: the escape is ASCII.
+            "lone surrogate in the data",
             webhook(b'{"id":"evt_s","type":"t","data":"\\ud800"}'),
+            200,
+            None,
+            STORED,
+        ),
+        (
+            "lone surrogate in the dedup key",
+            webhook(b'{"id":"evt_\\udc00","type":"t"}'),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "NUL in the dedup key",
             webhook(b'{"id":"evt_\\u0000","type":"t"}'),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "NUL in the type",
             webhook(b'{"id":"evt_n","type":"a\\u0000b"}'),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "dedup key of 513 characters",
             webhook(stripe_event(id="e" * 513)),
             400,
             "dedup-key-missing",
-            NOTHING,
+            NO_KEY,
         ),
         (
             "type of 256 characters",
             webhook(stripe_event(type="t" * 256)),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         (
             "Content-Type of 300 characters",
             webhook(stripe_event(), ct=LONG_TYPE),
             415,
             "unsupported-media-type",
-            NOTHING,
+            BAD_MEDIA_TYPE,
         ),
         (
             "missing Content-Type",
             webhook(stripe_event(), ct=None),
             415,
             "unsupported-media-type",
-            NOTHING,
+            BAD_MEDIA_TYPE,
         ),
         (
             "a signature for another body",
             webhook(stripe_event(), sign_for=stripe_event(id="evt_other")),
             401,
             "signature-invalid",
-            REJECTION,
+            UNAUTHENTIC,
         ),
         (
             "signature header twice",
             webhook(stripe_event(), (b"Stripe-Signature", stripe_signature(stripe_event()))),
             401,
             "signature-invalid",
-            REJECTION,
+            UNAUTHENTIC,
         ),
         (
             "bare LF in a header (injection)",
@@ -267,7 +294,7 @@ def webhook_cases() -> list[tuple[object, ...]]:
             github_delivery(b"d-1", b"d-2"),
             400,
             "payload-invalid",
-            NOTHING,
+            INVALID,
         ),
         ("NUL in a header", webhook(stripe_event(), (b"X-Note", b"a\x00b")), 400, None, NOTHING),
         (
@@ -363,7 +390,13 @@ API_CASES = [
         "invalid-event",
         NOTHING,
     ),
-    ("missing Content-Type", api(key=b"k-11", ct=None), 400, "invalid-json", NOTHING),
+    (
+        "missing Content-Type",
+        api(key=b"k-11", ct=None),
+        415,
+        "unsupported-media-type",
+        NOTHING,
+    ),
     (
         "Content-Type of 300 characters",
         api(key=b"k-12", ct=LONG_TYPE),
@@ -377,10 +410,13 @@ API_CASES = [
 def snapshot(engine) -> dict[str, int]:
     with engine.connect() as conn:
         counts = {t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one() for t in TABLES}
-        # Refusals are counted per source, reason, address and minute.
-        counts["rejections"] = conn.execute(
-            text("SELECT coalesce(sum(seen_count), 0) FROM rejections")
-        ).scalar_one()
+        # Refusals are counted per source, reason, address and minute: each
+        # reason's count is compared, not just the rows.
+        del counts["rejections"]
+        by_reason = conn.execute(
+            text("SELECT reason, sum(seen_count) FROM rejections GROUP BY reason")
+        )
+        counts.update({rejected(reason): int(seen) for reason, seen in by_reason})
         return counts
 
 
@@ -409,8 +445,8 @@ def run_cases(server, engine, cases) -> None:
         response = raw(server, data)
         after = snapshot(engine)
         expected = dict(before)
-        if remains == REJECTION:
-            expected["rejections"] += 1
+        if remains != NOTHING:
+            expected[remains] = expected.get(remains, 0) + 1
         problem = None
         if response.headers.get("content-type") == "application/problem+json":
             problem = json.loads(response.body)["type"].removeprefix("/problems/")

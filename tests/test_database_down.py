@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from webhook_receiver.models import Event, IdempotencyRecord
+from webhook_receiver.processing.worker import Worker
 
 from .conftest import ACME_TOKEN, CLIENTS, _migrate, bearer
 from .databases import read_only, throwaway_postgresql
@@ -28,9 +31,12 @@ def unreachable_urls(db_url: str, tmp_path) -> list[str]:
     """URLs of the same kind as ``db_url`` behind which no database answers."""
     if db_url.startswith("sqlite"):
         (tmp_path / "a-directory").mkdir()
+        # Another program's file at the path: SQLITE_NOTADB, a damaged database.
+        (tmp_path / "not-a-database").write_bytes(b"not a database, whatever it was" * 200)
         return [
             f"sqlite:///{tmp_path / 'missing-dir' / 'db.sqlite3'}",
             f"sqlite:///{tmp_path / 'a-directory'}",
+            f"sqlite:///{tmp_path / 'not-a-database'}",
         ]
     # Nothing listens on a port that was free a moment ago.
     return [f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"]
@@ -424,3 +430,153 @@ def test_a_sqlite_database_that_cannot_be_used_now_is_an_outage(tmp_path):
     assert raised.value.orig.sqlite_errorname == "SQLITE_FULL"
     assert is_unavailable(raised.value)
     assert is_unavailable(_locked())
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("damage", ["header", "table"])
+def test_a_corrupt_sqlite_file_is_an_outage_and_no_message_is_dead_lettered(
+    make_app, damage, caplog
+):
+    # A damaged file (a bad disk, a copy made while written, another
+    # program's file at the path) answers every statement SQLITE_CORRUPT or
+    # SQLITE_NOTADB. Those were taken for the statement's fault: each
+    # request a 500 logged as a bug, and a broker batch stored one message
+    # at a time, every one dead-lettered: the whole queue drained into its
+    # dead letters while the database was being restored. It is the
+    # database that cannot be used: a 503, and nothing settled.
+    import sqlite3
+
+    from sqlalchemy.exc import DBAPIError
+
+    from webhook_receiver import inbox
+    from webhook_receiver.brokers import batch as broker_batch
+    from webhook_receiver.brokers.outage import Outage
+    from webhook_receiver.database import is_unavailable
+    from webhook_receiver.extensions import db
+
+    from .helpers import RABBIT_SOURCE
+    from .inbox.test_positions import _config, message
+
+    app = make_app(_config())
+    with app.app_context():
+        inbox.receive(message("before"))
+        path = db.engine.url.database
+        db.engine.dispose()
+    with sqlite3.connect(path) as setup:
+        setup.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = setup.execute("PRAGMA page_size").fetchone()[0]
+        # The events (the intakes' writes) and the deliveries with their
+        # indexes (the worker's claims).
+        roots = setup.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'events' "
+            "OR (tbl_name = 'deliveries' AND rootpage > 0)"
+        ).fetchall()
+    with open(path, "r+b") as file:
+        if damage == "header":
+            file.write(b"not a database, whatever it was" * 4)
+        else:
+            for (root,) in roots:
+                file.seek((root - 1) * page_size)
+                file.write(b"\xff" * page_size)
+    expected = {"header": "SQLITE_NOTADB", "table": "SQLITE_CORRUPT"}[damage]
+    with app.app_context():
+        with pytest.raises(DBAPIError) as raised:
+            inbox.receive_many([message("k1"), message("k2")])
+        assert raised.value.orig.sqlite_errorname == expected
+        assert is_unavailable(raised.value)
+        with pytest.raises(broker_batch.DatabaseUnavailable) as stopped:
+            broker_batch.store(RABBIT_SOURCE, broker_batch.Prepared([message("k1")], [None]))
+    # A consumer backs off through it, saying so as an ERROR each time.
+    outage = Outage(RABBIT_SOURCE.name, "database")
+    with caplog.at_level(logging.WARNING):
+        outage.failed(stopped.value)
+        outage.failed(stopped.value)
+    assert len(damage_logged(caplog)) == 2
+    assert_damage_logged(caplog, expected)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        response = app.test_client().post(
+            "/api/events",
+            data=b'{"type":"t","data":{}}',
+            headers={
+                **bearer(),
+                "Idempotency-Key": "corrupt-1",
+                "Content-Type": "application/json",
+            },
+        )
+    assert_unavailable(response)
+    # It will not pass by itself, as a lock or a restart does: an operator
+    # must restore the file. A WARNING among the outages' said so to no one.
+    assert_damage_logged(caplog, expected)
+    caplog.clear()
+    # The worker's claims meet it too: it logs and backs off, never crashes.
+    worker = Worker(app)
+    thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+    with caplog.at_level(logging.WARNING):
+        thread.start()
+        try:
+            assert wait_until(lambda: damage_logged(caplog), timeout=10)
+            assert thread.is_alive()
+        finally:
+            worker.stop()
+            thread.join(30)
+    assert not thread.is_alive()
+    assert_damage_logged(caplog, expected)
+
+
+def damage_logged(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "damaged" in r.getMessage()]
+
+
+def assert_damage_logged(caplog, code: str) -> None:
+    """An ERROR says the database is damaged, naming the driver's error, with no traceback."""
+    records = damage_logged(caplog)
+    assert records, [r.getMessage() for r in caplog.records]
+    message = {"SQLITE_NOTADB": "file is not a database", "SQLITE_CORRUPT": "malformed"}[code]
+    for record in records:
+        assert record.levelno == logging.ERROR, record.getMessage()
+        assert message in record.getMessage(), record.getMessage()
+        assert record.exc_info is None
+
+
+def test_a_damaged_postgresql_page_or_index_is_an_outage():
+    # PostgreSQL's data_corrupted and index_corrupted (XX001, XX002), which
+    # psycopg files under InternalError, as SQLite's damaged file above: a
+    # server's files cannot be damaged from a test, so the driver's own
+    # errors are classified as SQLAlchemy wraps them.
+    import psycopg.errors
+    from sqlalchemy.exc import DBAPIError
+
+    from webhook_receiver.database import is_damaged, is_unavailable
+
+    for error in (psycopg.errors.DataCorrupted, psycopg.errors.IndexCorrupted):
+        wrapped = DBAPIError.instance("INSERT ...", {}, error("damaged"), psycopg.Error)
+        assert wrapped.orig.sqlstate in {"XX001", "XX002"}
+        assert is_unavailable(wrapped), error
+        # Logged as an ERROR: no wait ends it.
+        assert is_damaged(wrapped), error
+    other = DBAPIError.instance(
+        "INSERT ...", {}, psycopg.errors.InternalError_("other"), psycopg.Error
+    )
+    assert not is_unavailable(other)
+    assert not is_damaged(other)
+    # A server away is an outage that passes: a WARNING.
+    refused = DBAPIError.instance(
+        "SELECT 1", {}, psycopg.errors.AdminShutdown("terminating connection"), psycopg.Error
+    )
+    assert is_unavailable(refused) and not is_damaged(refused)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_readyz_says_a_damaged_database_must_be_restored(make_app, tmp_path, caplog):
+    # A readiness probe is what an operator's alerting reads: "cannot be
+    # reached" sends them to the network, where no wait or fix is.
+    path = tmp_path / "not-a-database"
+    path.write_bytes(b"not a database, whatever it was" * 200)
+    app = make_app({"clients": CLIENTS}, SQLALCHEMY_DATABASE_URI=f"sqlite:///{path}")
+    with caplog.at_level(logging.WARNING):
+        response = app.test_client().get("/readyz")
+    assert_unavailable(response)
+    assert "damaged" in response.get_json()["detail"]
+    assert "restore" in response.get_json()["detail"]
+    assert_damage_logged(caplog, "SQLITE_NOTADB")

@@ -259,3 +259,33 @@ def test_every_route_of_the_machine_surfaces_is_in_the_document_and_only_those(a
             methods.discard("OPTIONS")
         routed |= {(path, method) for method in methods}
     assert routed == documented
+
+
+# Keys the server takes and keys it refuses (400 idempotency-key-invalid).
+_KEYS_TAKEN = ["order-42", "a b", "x" * 255, '"order,7"', '"' + "y" * 255 + '"', '"a\\"b"', "?"]
+_KEYS_REFUSED = ["caf\u00e9", "a,b", "x" * 256, '"' + "x" * 256 + '"', '"a\\b"', '"a" b', '""']
+
+
+def _request_is_valid(spec: OpenAPI, response: Any) -> bool:
+    try:
+        checked(spec, response)
+    except Exception:
+        return False
+    return True
+
+
+def test_the_documented_idempotency_key_is_the_one_the_server_takes(spec, api):
+    # The draft: publish the key's format. A key the document allows is one
+    # the server takes, and one it refuses breaks the document.
+    for i, key in enumerate(_KEYS_TAKEN):
+        response = post_event(api, key, {"type": "t", "data": i})
+        assert response.status_code == 201, key
+        assert _request_is_valid(spec, response), key
+    for key in _KEYS_REFUSED:
+        response = post_event(api, key, {"type": "t", "data": key})
+        assert response.get_json()["type"] == "/problems/idempotency-key-invalid", key
+        assert not _request_is_valid(spec, response), key
+    parameter = api.get("/openapi.json").get_json()["paths"]["/api/events"]["post"]
+    description = parameter["parameters"][0]["description"]
+    # And how long a key is kept (IDEMPOTENCY_TTL_SECONDS' default).
+    assert "24 hours" in description, description

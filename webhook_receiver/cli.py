@@ -12,24 +12,15 @@ from typing import Any
 
 import click
 from flask import Flask
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from .config import ConfigError
-
-# SQLite says "no such table"; PostgreSQL raises UndefinedTable ('relation "x" does
-# not exist'), not to be confused with a database that does not exist.
-_NO_SCHEMA = ("no such table", "undefinedtable", 'relation "')
+from .database import is_missing_schema
+from .observability import metrics_server
 
 
 def _cause(exc: DBAPIError) -> str:
     return str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
-
-
-def is_missing_schema(exc: BaseException) -> bool:
-    """Tell whether a database error says a table is missing: the migrations never ran."""
-    return isinstance(exc, OperationalError | ProgrammingError) and any(
-        marker in f"{type(exc.orig).__name__} {_cause(exc)}".lower() for marker in _NO_SCHEMA
-    )
 
 
 def explain(exc: BaseException) -> str | None:
@@ -66,10 +57,18 @@ def _one_line(invoke: Callable[[click.Context], Any]) -> Callable[[click.Context
 
 
 _WRAPPED = "_webhook_receiver_one_line"
+# The commands that run until SIGTERM, as processes of their own (the
+# Procfile's worker and consumer): each may serve its own /metrics, unless
+# given one of the flags named (a quick look, not a run).
+LONG_RUNNING = {"worker": (), "consume": ("list_only",)}
 
 
 def init_app(app: Flask) -> None:
     """Give each of the app's commands (registered by now) one-line errors."""
+    for name, unless in LONG_RUNNING.items():
+        # First, so that a metrics port that cannot be bound ends in one line too.
+        if name in app.cli.commands:
+            metrics_server.serve_while_running(app.cli.commands[name], unless)
     for command in app.cli.commands.values():
         # Command objects are module-level and shared by every app made in a
         # process (tests make hundreds): wrap each once, not once per app.

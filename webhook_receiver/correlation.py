@@ -11,10 +11,10 @@ import uuid
 
 from flask import Flask, Response, g, request
 
+from . import tracing
+
 HEADER = "X-Request-Id"
 _SAFE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
-# W3C Trace Context: version-traceid-parentid-flags
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 def from_request() -> str:
@@ -22,9 +22,11 @@ def from_request() -> str:
     given = request.headers.get(HEADER, "").strip()
     if _SAFE.match(given):
         return given
-    match = _TRACEPARENT.match(request.headers.get("traceparent", "").strip().lower())
-    if match and match.group(1) != "0" * 32:
-        return match.group(1)
+    # Only a valid traceparent's trace: a forward carries a correlation id
+    # that is a trace id onward as that trace (tracing.outgoing).
+    traceparent = tracing.valid_traceparent(request.headers.get("traceparent"))
+    if traceparent is not None:
+        return traceparent.split("-")[1]
     return uuid.uuid4().hex
 
 

@@ -16,7 +16,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ import orjson
 from flask import Flask, current_app, has_app_context
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
@@ -174,7 +174,11 @@ _READ_ONLY = "25006"
 # query_canceled: the statement timeout fired (a lock held for too long, a
 # server too slow to answer), or an operator cancelled the statement.
 _QUERY_CANCELED = "57014"
-_AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED})
+# data_corrupted and index_corrupted: a damaged page or index, which every
+# statement touching it meets until an operator repairs it; messages must
+# wait for that on their broker, never be dead-lettered one by one.
+_CORRUPTED = frozenset({"XX001", "XX002"})
+_AWAY_SQLSTATES = frozenset({_READ_ONLY, _QUERY_CANCELED, *_CORRUPTED})
 # program_limit_exceeded (class 54): a statement past one of the server's
 # limits (an index row over btree's 2704 bytes, a jsonb document past
 # 256 MB). psycopg files it under OperationalError, but the statement is at
@@ -185,12 +189,15 @@ _PROGRAM_LIMIT_CLASS = "54"
 # out of memory, read-only, interrupted, an I/O error, a full disk, a file
 # that cannot be opened, a lock protocol error, a statement prepared before
 # the schema changed, a permission refused, a statement aborted by a
-# rollback. The driver files them under OperationalError, but so it does
-# SQLITE_ERROR, what a faulty statement gets (too many SQL variables, too
-# many terms in a compound SELECT, a syntax error, a missing table), and
-# SQLITE_RANGE and SQLITE_MISUSE are InterfaceErrors: sent again, those
-# fail again. Any code not here (SQLITE_TOOBIG, a DataError: a string or
-# blob past SQLITE_MAX_LENGTH; a constraint) is the statement's fault too.
+# rollback, a damaged file (corrupt, or not a database at all: every
+# statement fails until it is restored, and a broker's messages must wait
+# for that rather than be dead-lettered one by one). The driver files them
+# under OperationalError, but so it does SQLITE_ERROR, what a faulty
+# statement gets (too many SQL variables, too many terms in a compound
+# SELECT, a syntax error, a missing table), and SQLITE_RANGE and
+# SQLITE_MISUSE are InterfaceErrors: sent again, those fail again. Any code
+# not here (SQLITE_TOOBIG, a DataError: a string or blob past
+# SQLITE_MAX_LENGTH; a constraint) is the statement's fault too.
 _SQLITE_AWAY_CODES = frozenset(
     {
         sqlite3.SQLITE_PERM,
@@ -205,8 +212,11 @@ _SQLITE_AWAY_CODES = frozenset(
         sqlite3.SQLITE_CANTOPEN,
         sqlite3.SQLITE_PROTOCOL,
         sqlite3.SQLITE_SCHEMA,
+        sqlite3.SQLITE_CORRUPT,
+        sqlite3.SQLITE_NOTADB,
     }
 )
+_SQLITE_DAMAGED = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 # deadlock_detected and serialization_failure: the transaction lost a race
 # with another one and was rolled back; run again, it is expected to pass.
 _CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
@@ -214,6 +224,19 @@ _CONFLICT_SQLSTATES = frozenset({"40P01", "40001"})
 CONFLICT_ATTEMPTS = 3
 
 Result = TypeVar("Result")
+
+
+# SQLite says "no such table"; PostgreSQL raises UndefinedTable ('relation "x" does
+# not exist'), not to be confused with a database that does not exist.
+_NO_SCHEMA = ("no such table", "undefinedtable", 'relation "')
+
+
+def is_missing_schema(exc: BaseException) -> bool:
+    """Tell whether a database error says a table is missing: the migrations never ran."""
+    if not isinstance(exc, OperationalError | ProgrammingError):
+        return False
+    cause = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+    return any(marker in f"{type(exc.orig).__name__} {cause}".lower() for marker in _NO_SCHEMA)
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -251,6 +274,34 @@ def is_unavailable(exc: BaseException) -> bool:
             and not exc.connection_invalidated
         )
     return bool(exc.connection_invalidated) or sqlstate in _AWAY_SQLSTATES
+
+
+def is_damaged(exc: BaseException) -> bool:
+    """Tell a damaged database (an outage to ``is_unavailable``) that no wait will end.
+
+    SQLite's corrupt file or one that is not a database (SQLITE_CORRUPT,
+    SQLITE_NOTADB), PostgreSQL's damaged page or index (XX001, XX002): an
+    operator must restore it, so it is logged as an ERROR, not among the
+    outages that pass by themselves.
+    """
+    return driver_error_in(exc, sqlite_codes=_SQLITE_DAMAGED, sqlstates=_CORRUPTED)
+
+
+def driver_error_in(
+    exc: BaseException, *, sqlite_codes: Collection[int], sqlstates: Collection[str]
+) -> bool:
+    """Tell a driver's error by its SQLite primary result code or its PostgreSQL SQLSTATE."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in sqlite_codes
+    return getattr(exc.orig, "sqlstate", None) in sqlstates
+
+
+def damage_message(exc: BaseException) -> str:
+    """The log line of a damaged database, naming the driver's error."""
+    return f"the database is damaged; restore it from a backup: {getattr(exc, 'orig', None) or exc}"
 
 
 def is_conflict(exc: BaseException) -> bool:

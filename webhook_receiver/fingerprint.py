@@ -39,8 +39,8 @@ class _Refused(JSONError):
 # levels deep; 256 is orjson's limit too.
 MAX_DEPTH = 256
 # A \uD800-\uDFFF escape is the only way a lone surrogate gets into a string
-# (UTF-8 cannot carry one), and a lone surrogate can be neither re-encoded nor
-# stored. Seeing the escape is cheap; only then is the document checked.
+# (UTF-8 cannot carry one). Seeing the escape is cheap; only then is the
+# document checked, where a caller refuses them.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
@@ -89,8 +89,16 @@ _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=
 _STRING_TEXT: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
 
 
-def loads(body: bytes) -> Any:
-    """Parse strict JSON from bytes, refusing what json.loads lets through."""
+def loads(body: bytes, *, lone_surrogates: bool = False) -> Any:
+    """Parse strict JSON from bytes, refusing what json.loads lets through.
+
+    A lone surrogate (a \\uD800-\\uDFFF escape outside a pair) is valid JSON
+    (RFC 8259 section 8.2 leaves its meaning to the reader), but no text a
+    database stores or a page shows: refused unless ``lone_surrogates``,
+    for an intake that stores the body as it came and fingerprints it by
+    canonical_json (which writes one back as its escape). A text field
+    derived from one (a key, a type) is refused by Message.build.
+    """
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -108,9 +116,17 @@ def loads(body: bytes) -> Any:
     # Nesting cannot exceed the number of brackets: most bodies skip the walk.
     if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _too_deep(body):
         raise JSONError(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if _SURROGATE_ESCAPE.search(body):
-        canonical_json(value)  # raises JSONError on a lone surrogate
+    if not lone_surrogates and _SURROGATE_ESCAPE.search(body) and not _is_utf8(value):
+        raise JSONError("JSON string holds a lone surrogate (\\uD800-\\uDFFF)")
     return value
+
+
+def _is_utf8(value: Any) -> bool:
+    try:
+        _ENCODER.encode(value).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_deep(body: bytes) -> bool:
@@ -165,8 +181,11 @@ def canonical_json(value: Any) -> bytes:
         return text.encode("utf-8")
     except RecursionError as exc:
         raise JSONError("JSON nested too deeply") from exc
-    except UnicodeEncodeError as exc:
-        raise JSONError("JSON string holds a lone surrogate (\\uD800-\\uDFFF)") from exc
+    except UnicodeEncodeError:
+        # A lone surrogate, the only text UTF-8 cannot encode: written as
+        # the escape it came as (\ud800), inside its string, where nothing
+        # else can produce that text (a backslash is written \\).
+        return text.encode("utf-8", "backslashreplace")
 
 
 def _encode_with_numbers(value: Any, out: list[str]) -> list[str]:
@@ -244,7 +263,9 @@ def fingerprint(parts: Iterable[bytes | str]) -> str:
     """SHA-256 over length-prefixed parts, so that no two part lists collide."""
     digest = hashlib.sha256()
     for part in parts:
-        data = part.encode("utf-8") if isinstance(part, str) else part
+        # surrogatepass: a type holding a lone surrogate is refused by
+        # Message.build with a 400 that says so, not a 500 here.
+        data = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else part
         digest.update(len(data).to_bytes(8, "big"))
         digest.update(data)
     return digest.hexdigest()

@@ -43,6 +43,15 @@ _REPLAYED = {
     "description": "`true` when this is the saved answer of an earlier request or delivery.",
     "schema": {"type": "string", "enum": ["true"]},
 }
+# The key as keys.parse_key takes it: bare (no comma, which a repeated
+# header is joined with; no space around it, which HTTP strips), or quoted.
+_KEY = {
+    "type": "string",
+    "anyOf": [
+        {"maxLength": 255, "pattern": r"^[!#-+\--~]([ -+\--~]*[!-+\--~])?$"},
+        {"pattern": r'^"([ !#-\[\]-~]|\\["\\]){1,255}"$'},
+    ],
+}
 _REQUEST_ID = {
     "description": (
         "The caller's X-Request-Id when it is 1-200 characters of `A-Za-z0-9._:@/+=-` "
@@ -80,8 +89,16 @@ def _paths() -> dict[str, Any]:
                         "name": "Idempotency-Key",
                         "in": "header",
                         "required": True,
-                        "description": "Your id of this logical request: the same on every retry.",
-                        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+                        "description": (
+                            "Your id of this logical request: the same on every retry (a UUID "
+                            "serves). 1-255 printable ASCII characters, sent bare or quoted as "
+                            'the draft\'s sf-string (`"..."`, with `\\"` and `\\\\` escapes), '
+                            "which a key holding a comma must be. Scoped to your client. A key "
+                            "is kept for 24 hours (the default of "
+                            "WEBHOOK_RECEIVER_IDEMPOTENCY_TTL_SECONDS); after that it counts "
+                            "as unused and runs afresh."
+                        ),
+                        "schema": _KEY,
                     }
                 ],
                 "requestBody": {"required": True, "content": _json(_ref("NewEvent"))},
@@ -174,8 +191,8 @@ def _paths() -> dict[str, Any]:
                 "summary": "The CloudEvents webhook validation handshake",
                 "description": (
                     "For a `cloudevents` source, a `WebHook-Request-Origin` is answered with "
-                    "`WebHook-Allowed-Origin` (and `WebHook-Allowed-Rate: *` when a rate was "
-                    "asked). Any other OPTIONS gets the methods in `Allow`."
+                    "`WebHook-Allowed-Origin` and `WebHook-Allowed-Rate: *`. Any other OPTIONS "
+                    "gets the methods in `Allow`."
                 ),
                 "tags": ["Webhooks"],
                 "parameters": [

@@ -17,7 +17,7 @@ DESCRIPTIONS: dict[str, str] = {
     "bad-request": "The request cannot be read as sent. Fix it before sending it again.",
     "invalid-json": (
         "The body is not strict JSON (UTF-8, no duplicate keys, no NaN or Infinity, "
-        "not nested too deeply), or the Content-Type is not application/json. "
+        "not nested too deeply). "
         "Fix the body; retrying it unchanged fails the same way."
     ),
     "invalid-event": (

@@ -16,8 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import BadRequest, HTTPException, RequestEntityTooLarge
 
-from .cli import is_missing_schema
-from .database import is_unavailable
+from .database import damage_message, is_damaged, is_missing_schema, is_unavailable
 from .extensions import db
 
 # slug -> (status, title)
@@ -156,6 +155,9 @@ def init_app(app: Flask) -> None:
         # A dropped connection is the database being away: say 503 so the
         # sender retries, and never claim a commit that did not happen.
         db.session.rollback()
+        if is_damaged(exc):
+            app.logger.error("%s", damage_message(exc))
+            return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))
         if is_unavailable(exc):
             app.logger.warning("database unavailable: %s", exc)
             return problem_response(Problem("database-unavailable", headers={"Retry-After": "5"}))

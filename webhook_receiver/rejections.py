@@ -1,4 +1,4 @@
-"""Refused deliveries (bad signature, stale timestamp), counted for operators.
+"""Refused deliveries (bad signature, stale timestamp; signed but unstorable), counted.
 
 A refusal costs the sender nothing, so a flood of forgeries must not cost a
 write each: 1,925 refused requests in 2 s once made 1,925 rows, each a turn

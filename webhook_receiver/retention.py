@@ -9,6 +9,8 @@
   dead): it is kept, and counted, until its deliveries are delivered,
   skipped or discarded. A dead letter is never lost silently: it goes only
   once an operator has discarded it in the admin.
+- Never an event with a conflict not reviewed yet: the conflict is kept for
+  an operator to see, and goes with its event once marked reviewed.
 - Idempotency records past ``expires_at``.
 - Rejections past their source's retention, admin login failures past
   ``DEFAULT_RETENTION_DAYS``.
@@ -36,11 +38,12 @@ from .config import FileConfig
 from .database import end_read, is_sqlite, unit_of_work
 from .extensions import db
 from .idempotency.persistence import records
-from .models import AdminLoginFailure, Delivery, Event, Rejection
+from .models import AdminLoginFailure, Delivery, Event, EventConflict, Rejection
 from .outbox import deliveries
 
 _events = Event.__table__
 _deliveries = Delivery.__table__
+_conflicts = EventConflict.__table__
 _rejections = Rejection.__table__
 _login_failures = AdminLoginFailure.__table__
 
@@ -71,20 +74,24 @@ class _Scope:
     cutoff: datetime
 
 
-def _unfinished_delivery(event_id: Any) -> ColumnElement[bool]:
-    return exists().where(
-        _deliveries.c.event_id == event_id, _deliveries.c.state.not_in(FINAL_STATES)
+def _still_needed(event_id: Any) -> ColumnElement[bool]:
+    """A delivery not final, or a conflict not reviewed: the event must stay."""
+    return or_(
+        exists().where(
+            _deliveries.c.event_id == event_id, _deliveries.c.state.not_in(FINAL_STATES)
+        ),
+        exists().where(_conflicts.c.event_id == event_id, _conflicts.c.reviewed_at.is_(None)),
     )
 
 
-def _lock_deliveries(event_ids: list[int]) -> Any:
-    """Lock the deliveries of these events, in id order, waiting for any write to them."""
-    return (
-        select(_deliveries.c.id)
-        .where(_deliveries.c.event_id.in_(event_ids))
-        .order_by(_deliveries.c.id)
-        .with_for_update()
-    )
+def _lock_events(event_ids: list[int]) -> list[Any]:
+    """Lock these events' deliveries, then the events, in id order, waiting for any writer."""
+    # The events' locks wait for a conflict being kept under one of them
+    # (its insert holds the event's key-share lock until it commits).
+    return [
+        select(table.c.id).where(column.in_(event_ids)).order_by(table.c.id).with_for_update()
+        for table, column in ((_deliveries, _deliveries.c.event_id), (_events, _events.c.id))
+    ]
 
 
 def _scopes(
@@ -126,7 +133,7 @@ def _purge_scope(
     batch_size: int,
     *,
     blocked: ColumnElement[bool] | None = None,
-    lock_first: Callable[[list[int]], Any] | None = None,
+    lock_first: Callable[[list[int]], list[Any]] | None = None,
 ) -> tuple[int, int]:
     """Delete the scope's rows older than its cutoff; return (deleted, kept)."""
     deleted = kept = 0
@@ -160,11 +167,13 @@ def _purge_scope(
             with unit_of_work() as session:
                 if lock_first is not None and not is_sqlite():
                     # PostgreSQL: the DELETE's check reads its snapshot, so a
-                    # delivery set pending by a replay that commits while the
-                    # DELETE waits on it would go with its event. Locked
-                    # first, such a replay has committed before the DELETE
-                    # starts, and its snapshot sees it.
-                    session.execute(lock_first(ids))
+                    # delivery set pending by a replay, or a conflict kept,
+                    # that commits while the DELETE waits on it would go
+                    # with its event. Locked first, such a write has
+                    # committed before the DELETE starts, and its snapshot
+                    # sees it.
+                    for lock in lock_first(ids):
+                        session.execute(lock)
                 # A DELETE's result is a CursorResult; Session.execute is typed wider.
                 deleted += cast(CursorResult[Any], session.execute(statement)).rowcount
         if len(rows) < batch_size:
@@ -178,15 +187,15 @@ def purge(now: datetime, batch_size: int) -> PurgeReport:
         raise ValueError("batch_size must be at least 1")
     config = current_app.config
     report = PurgeReport()
-    unfinished = _unfinished_delivery(_events.c.id)
+    needed = _still_needed(_events.c.id)
     for scope in _scopes(_events.c.source, now, config, with_clients=True):
         deleted, kept = _purge_scope(
             _events,
             _events.c.received_at,
             scope,
             batch_size,
-            blocked=unfinished,
-            lock_first=_lock_deliveries,
+            blocked=needed,
+            lock_first=_lock_events,
         )
         report.events += deleted
         report.events_kept += kept
@@ -229,7 +238,8 @@ def purge_command(batch_size: int | None) -> None:
     if report.events_kept:
         click.echo(
             f"kept {report.events_kept} event(s) past retention: "
-            "their deliveries are not delivered, skipped or discarded yet"
+            "a delivery not delivered, skipped or discarded yet, "
+            "or a conflict not reviewed yet"
         )
     click.echo(f"purged {report.idempotency_records} expired idempotency record(s)")
     click.echo(f"purged {report.rejections} rejection(s) past retention")

@@ -68,7 +68,8 @@ def valid_traceparent(value: str | None) -> str | None:
     match = TRACEPARENT.match(value)
     if match is None or match.group(1) == "0" * 32 or match.group(2) == "0" * 16:
         return None
-    return value
+    # W3C: version ff is invalid (the SDK's propagator ignores it too).
+    return None if value.startswith("ff-") else value
 
 
 def configured() -> bool:
@@ -94,7 +95,9 @@ def init_app(app: Flask) -> None:
     if provider is None:
         return
     app.extensions[EXTENSION] = provider.get_tracer("webhook_receiver")
-    app.before_request(_start_server_span)
+    # First of the before_request functions: a request refused by an earlier
+    # one (problems.py's check of a chunked body) has its span too.
+    app.before_request_funcs.setdefault(None, []).insert(0, _start_server_span)
     app.after_request(_server_span_status)
     app.teardown_request(_end_server_span)
 
@@ -320,6 +323,10 @@ class _HeaderGetter(Getter[Any]):
 
 
 _HEADERS = _HeaderGetter()
+# HTTP's semantic conventions: the methods a span is named by (RFC 9110, PATCH).
+_KNOWN_METHODS = frozenset(
+    {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"}
+)
 
 
 def _start_server_span() -> None:
@@ -337,16 +344,19 @@ def _start_server_span() -> None:
         return
     environ = current.environ
     method = current.method
-    attributes: dict[str, Any] = {
-        "http.request.method": method,
-        "url.scheme": current.scheme,
-        "url.path": path,
-    }
-    name = method
+    attributes: dict[str, Any] = {"url.scheme": current.scheme, "url.path": path}
+    if method in _KNOWN_METHODS:
+        attributes["http.request.method"] = name = method
+    else:
+        # Any token a client sends would name a span of its own (back ends
+        # index span names): the conventions' "_OTHER", the token kept aside.
+        attributes["http.request.method"] = "_OTHER"
+        attributes["http.request.method_original"] = method
+        name = "HTTP"
     rule = current.url_rule
     if rule is not None:
         attributes["http.route"] = rule.rule
-        name = f"{method} {rule.rule}"
+        name = f"{name} {rule.rule}"
     address = environ.get("REMOTE_ADDR")
     if address:
         attributes["client.address"] = address

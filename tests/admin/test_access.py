@@ -76,7 +76,18 @@ def test_login_form_then_back_to_the_page_asked_for(anon, admin_app):
 
 @pytest.mark.parametrize(
     "target",
-    ["https://evil.example/", "//evil.example/admin/", "/\\evil.example", "/api/events", "x"],
+    [
+        "https://evil.example/",
+        "//evil.example/admin/",
+        "/\\evil.example",
+        "/api/events",
+        "x",
+        # Browsers resolve dot segments, written plainly or percent-encoded.
+        "/admin/../api/events",
+        "/admin/%2e%2e/api/events",
+        "/admin/.%2E/metrics",
+        "/admin/events/../../api/events",
+    ],
 )
 def test_login_never_redirects_outside_the_admin(anon, target):
     response = login(anon, next=target)
@@ -138,9 +149,9 @@ def test_logout_is_not_a_get(admin):
 
 
 def test_changing_the_password_ends_open_sessions(make_app, admin):
-    cookie = admin.get_cookie("session")
+    cookie = admin.get_cookie("session", path="/admin")
     other = make_app(ADMIN_PASSWORD="a different password").test_client()
-    other.set_cookie("session", cookie.value)
+    other.set_cookie("session", cookie.value, path="/admin")
     assert other.get("/admin/").status_code == 302
 
 
@@ -175,6 +186,30 @@ def test_failed_logins_are_throttled_per_address(anon, make_app, admin_app):
     elsewhere = admin_app.test_client()
     elsewhere.environ_base["REMOTE_ADDR"] = "198.51.100.7"
     assert login(elsewhere, PASSWORD).status_code == 302
+
+
+def test_failed_logins_from_one_ipv6_network_count_together(admin_app):
+    # Anyone given an IPv6 /64 (a home line, a cloud machine) holds 2**64
+    # addresses: counted one by one, each new address had 5 fresh tries.
+    client = admin_app.test_client()
+    for n in range(1, 6):
+        client.environ_base["REMOTE_ADDR"] = f"2001:db8:1:2::{n:x}"
+        assert login(client, "guess").status_code == 200
+    client.environ_base["REMOTE_ADDR"] = "2001:db8:1:2:ffff:ffff:ffff:ffff"
+    assert login(client, PASSWORD).status_code == 429
+    # Another /64 is another address.
+    client.environ_base["REMOTE_ADDR"] = "2001:db8:1:3::1"
+    assert login(client, PASSWORD).status_code == 302
+
+
+def test_an_ipv4_address_counts_the_same_written_as_ipv6(admin_app):
+    # A dual-stack listener shows an IPv4 client as ::ffff:a.b.c.d.
+    client = admin_app.test_client()
+    for n in range(5):
+        client.environ_base["REMOTE_ADDR"] = "192.0.2.1" if n % 2 else "::ffff:192.0.2.1"
+        assert login(client, "guess").status_code == 200
+    client.environ_base["REMOTE_ADDR"] = "192.0.2.1"
+    assert login(client, PASSWORD).status_code == 429
 
 
 def test_old_failures_neither_count_nor_stay(anon, admin_app):
@@ -266,10 +301,10 @@ def test_logout_revokes_a_copied_session_cookie(admin_app: Flask) -> None:
     dead_id = delivery(admin_app, event_id, state="dead", attempts=8)
     browser = admin_app.test_client()
     assert login(browser).status_code == 302
-    cookie = browser.get_cookie("session")
+    cookie = browser.get_cookie("session", path="/admin")
     assert cookie is not None
     thief = admin_app.test_client()
-    thief.set_cookie("session", cookie.value)
+    thief.set_cookie("session", cookie.value, path="/admin")
     assert thief.get("/admin/").status_code == 200  # the copy works while the session is open
     token = csrf_token(thief, "/admin/")
 
@@ -288,12 +323,12 @@ def test_logout_revokes_a_copied_session_cookie(admin_app: Flask) -> None:
 def test_a_new_login_after_logout_works_and_the_old_cookie_stays_dead(admin_app: Flask) -> None:
     client = admin_app.test_client()
     assert login(client).status_code == 302
-    old = client.get_cookie("session").value
+    old = client.get_cookie("session", path="/admin").value
     client.post("/admin/logout", data={"csrf_token": csrf_token(client, "/admin/")})
     assert login(client).status_code == 302
     assert client.get("/admin/").status_code == 200
     stale = admin_app.test_client()
-    stale.set_cookie("session", old)
+    stale.set_cookie("session", old, path="/admin")
     assert stale.get("/admin/").status_code == 302
 
 
@@ -303,14 +338,39 @@ def test_logging_in_again_ends_the_session_it_replaces(admin_app: Flask) -> None
     # its cookie opens nothing afterwards.
     client = admin_app.test_client()
     assert login(client).status_code == 302
-    old = client.get_cookie("session").value
+    old = client.get_cookie("session", path="/admin").value
     again = client.post(
         "/admin/login",
         data={"password": PASSWORD, "csrf_token": csrf_token(client, "/admin/")},
     )
     assert again.status_code == 302
-    assert client.get_cookie("session").value != old
+    assert client.get_cookie("session", path="/admin").value != old
     assert client.get("/admin/").status_code == 200
     stale = admin_app.test_client()
-    stale.set_cookie("session", old)
+    stale.set_cookie("session", old, path="/admin")
     assert stale.get("/admin/").status_code == 302
+
+
+def test_logging_out_everywhere_ends_every_open_session(admin_app: Flask) -> None:
+    # A cookie taken from another browser (a lost laptop, a shared machine)
+    # could only be ended by its own logout, or by changing the password and
+    # restarting every process. Any operator may now end every session.
+    mine, elsewhere, stolen = (admin_app.test_client() for _ in range(3))
+    assert login(mine).status_code == 302
+    assert login(elsewhere).status_code == 302
+    stolen.set_cookie(
+        "session", elsewhere.get_cookie("session", path="/admin").value, path="/admin"
+    )
+    assert stolen.get("/admin/").status_code == 200
+    page = text(mine.get("/admin/"))
+    assert 'name="everywhere" value="yes"' in page
+    response = mine.post(
+        "/admin/logout", data={"csrf_token": csrf_token(mine, "/admin/"), "everywhere": "yes"}
+    )
+    assert response.status_code == 302
+    assert "every session" in text(mine.get(response.headers["Location"]))
+    for client in (mine, elsewhere, stolen):
+        assert client.get("/admin/").status_code == 302
+    # Logging in again works as ever.
+    assert login(elsewhere).status_code == 302
+    assert elsewhere.get("/admin/").status_code == 200

@@ -13,15 +13,19 @@ from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, EventConflict, IdempotencyRecord, utcnow
 
 from .conftest import (
+    PASSWORD,
     conflict,
     csrf_token,
     delivery,
     event,
     idempotency_record,
+    login,
     post,
     rejection,
     text,
 )
+
+CONFIRM = {"confirm": "yes"}
 
 
 def state_of(app, delivery_id):
@@ -88,6 +92,54 @@ def test_requeue_all_on_the_page(admin_app, admin):
     assert "No dead deliveries." in text(admin.get("/admin/dead"))
 
 
+def _dead_shown(response) -> list[int]:
+    assert response.status_code == 200
+    return [int(i) for i in re.findall(r'data-delivery-id="(\d+)"', text(response))]
+
+
+def _pager_links(response) -> dict[str, str]:
+    found = re.findall(r'<a href="([^"]+)" rel="(next|prev)">', text(response))
+    return {rel: href.replace("&amp;", "&") for href, rel in found}
+
+
+def test_a_page_emptied_by_requeueing_links_back_to_every_row_left(make_app):
+    # A page's links start past the row at its edge. Once the rows of a page
+    # were requeued, the emptied page linked past its own cursor's row: that
+    # dead delivery showed on neither side.
+    app = make_app(ADMIN_PASSWORD=PASSWORD, ADMIN_PAGE_SIZE=3)
+    client = app.test_client()
+    assert login(client).status_code == 302
+    now = utcnow()
+    event_id = event(app)
+    dead = [
+        delivery(app, event_id, consumer=f"c{i}", state="dead", updated_at=now - timedelta(i))
+        for i in range(6)
+    ]
+    first = client.get("/admin/dead")
+    assert _dead_shown(first) == dead[:3]
+    older = _pager_links(first)["next"]
+    second = client.get(older)
+    assert _dead_shown(second) == dead[3:]
+    newer = _pager_links(second)["prev"]
+
+    # The older page's rows requeued: its "newer" link shows the first page whole.
+    post(client, "/admin/deliveries/requeue", {"ids": dead[3:]})
+    emptied = client.get(older)
+    assert _dead_shown(emptied) == []
+    assert _dead_shown(client.get(_pager_links(emptied)["prev"])) == dead[:3]
+
+    # The newer page's rows requeued: the emptied page's "older" link shows them all.
+    for i in (3, 4, 5):
+        with app.app_context():
+            row = db.session.get(Delivery, dead[i])
+            row.state, row.updated_at = "dead", now - timedelta(i)
+            db.session.commit()
+    post(client, "/admin/deliveries/requeue", {"ids": dead[:3]})
+    emptied = client.get(newer)
+    assert _dead_shown(emptied) == []
+    assert _dead_shown(client.get(_pager_links(emptied)["next"])) == dead[3:]
+
+
 def test_dead_letters_filter_by_consumer(admin_app, admin):
     event_id = event(admin_app)
     crm = delivery(admin_app, event_id, consumer="crm", state="dead")
@@ -130,9 +182,21 @@ def test_requeue_refuses_junk_and_foreign_redirects(admin_app, admin):
     assert "Nothing was selected." in text(admin.get("/admin/dead"))
 
 
-# -- discard -----------------------------------------------------------------
+@pytest.mark.parametrize("action", ["requeue", "discard"])
+def test_more_ids_than_a_page_holds_are_a_400_and_change_nothing(admin_app, admin, action):
+    # A page shows at most 500; a form posted by hand with tens of thousands
+    # passed every id to one IN (...): PostgreSQL's driver refused past
+    # 65,535 parameters, answered as the database being away (503).
+    dead = delivery(admin_app, event(admin_app), state="dead")
+    for how_many in (501, 70_000):
+        ids = ",".join(str(dead + n) for n in range(how_many))
+        response = post(admin, f"/admin/deliveries/{action}", {"page_ids": ids, **CONFIRM})
+        assert response.status_code == 400, response.status_code
+        assert "at most 500" in text(response)
+    assert state_of(admin_app, dead)[0] == "dead"
 
-CONFIRM = {"confirm": "yes"}
+
+# -- discard -----------------------------------------------------------------
 
 
 def test_discard_moves_only_dead_deliveries(admin_app, admin):
@@ -356,6 +420,48 @@ def test_mark_reviewed_with_a_note(admin_app, admin):
     assert f'data-conflict-id="{conflict_id}"' in text(admin.get("/admin/conflicts?view=all"))
 
 
+def _review_form(client, conflict_id: int) -> dict[str, str]:
+    """The hidden fields of a conflict page's review form, as the browser would post them."""
+    page = text(client.get(f"/admin/conflicts/{conflict_id}"))
+    form = page[page.index('id="review"') :]
+    return dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', form))
+
+
+def test_two_operators_reviewing_at_once_do_not_overwrite_each_other(admin_app, admin):
+    # Both opened the page before either saved: the second save replaced the
+    # first operator's note without a word, and the page said "reviewed".
+    other = admin_app.test_client()
+    assert login(other).status_code == 302
+    conflict_id = conflict(admin_app, event(admin_app))
+    first, second = _review_form(admin, conflict_id), _review_form(other, conflict_id)
+    url = f"/admin/conflicts/{conflict_id}/review"
+    assert admin.post(url, data={**first, "note": "Refunded twice: fixed"}).status_code == 302
+    response = other.post(url, data={**second, "note": "Nothing to do"})
+    assert response.status_code == 409
+    with admin_app.app_context():
+        assert db.session.get(EventConflict, conflict_id).review_note == "Refunded twice: fixed"
+    # The page shows the review saved meanwhile, and keeps the refused note to edit.
+    page = text(response)
+    assert "Your note was not saved" in page
+    assert '<p class="note">Refunded twice: fixed</p>' in page
+    assert ">Nothing to do</textarea>" in page
+    # Having seen the other review, the second operator may update it.
+    page = page[page.index('id="review"') :]
+    again = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page))
+    assert other.post(url, data={**again, "note": "Nothing more to do"}).status_code == 302
+    with admin_app.app_context():
+        assert db.session.get(EventConflict, conflict_id).review_note == "Nothing more to do"
+
+
+@pytest.mark.parametrize("reviewed", ["x", "-1", "1.5", "999999999999999999", "1" * 19])
+def test_a_review_form_with_a_bad_version_is_a_400(admin_app, admin, reviewed):
+    conflict_id = conflict(admin_app, event(admin_app))
+    form = {"note": "x", "reviewed": reviewed}
+    assert post(admin, f"/admin/conflicts/{conflict_id}/review", form).status_code == 400
+    with admin_app.app_context():
+        assert db.session.get(EventConflict, conflict_id).reviewed_at is None
+
+
 def test_review_of_a_missing_conflict_or_an_overlong_note(admin_app, admin):
     assert post(admin, "/admin/conflicts/424242/review", {"note": "x"}).status_code == 404
     conflict_id = conflict(admin_app, event(admin_app))
@@ -448,6 +554,29 @@ def test_evict_a_key(admin_app, admin):
     assert "Evicted the key" in text(admin.get("/admin/idempotency"))
     post(admin, f"/admin/idempotency/{record_id}/evict")
     assert "That key was already gone." in text(admin.get("/admin/idempotency"))
+
+
+def test_a_key_whose_request_is_running_is_not_evicted(admin_app, admin):
+    # Evicting it let the client's retry run the request a second time while
+    # the first still ran: an API event is stored under a fresh key each
+    # time, so both were stored and delivered.
+    now, minute = utcnow(), timedelta(minutes=1)
+    running = idempotency_record(
+        admin_app, key="k-running", state="in_progress", lease_expires_at=now + minute
+    )
+    abandoned = idempotency_record(
+        admin_app, key="k-abandoned", state="in_progress", lease_expires_at=now - minute
+    )
+    page = text(admin.get("/admin/idempotency"))
+    assert f"/admin/idempotency/{running}/evict" not in page
+    assert f"/admin/idempotency/{abandoned}/evict" in page
+    response = post(admin, f"/admin/idempotency/{running}/evict")
+    assert response.status_code == 302
+    assert "still running" in text(admin.get("/admin/idempotency"))
+    post(admin, f"/admin/idempotency/{abandoned}/evict")
+    with admin_app.app_context():
+        assert db.session.get(IdempotencyRecord, running) is not None
+        assert db.session.get(IdempotencyRecord, abandoned) is None
 
 
 def test_an_evicted_key_runs_afresh_on_the_api(admin_app, admin):

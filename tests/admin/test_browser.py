@@ -52,6 +52,10 @@ def sync_playwright():
     return sync_playwright
 
 
+def session_cookie_paths(page) -> list[str]:
+    return [c["path"] for c in page.context.cookies() if c["name"] == "session"]
+
+
 def test_operator_finds_a_dead_delivery_and_requeues_it(
     request, make_app, db_url, tmp_path: Path, sync_playwright
 ):
@@ -128,6 +132,8 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             page.fill("#password", PASSWORD)
             page.click("button[type=submit]")
             page.wait_for_url(f"{server.url}/admin/")
+            # The session cookie is the admin's alone: not sent to webhooks or the API.
+            assert session_cookie_paths(page) == ["/admin"]
             assert page.locator("h1").inner_text() == "Overview"
             # The stylesheet loaded under the CSP (the page is styled).
             background = page.evaluate("getComputedStyle(document.body).backgroundColor")
@@ -235,6 +241,7 @@ def test_operator_finds_a_dead_delivery_and_requeues_it(
             # Log out.
             page.click("text=Log out")
             page.wait_for_url(f"{server.url}/admin/login")
+            assert session_cookie_paths(page) == ["/admin"]  # replaced, not doubled
             page.goto(f"{server.url}/admin/events")
             assert "/admin/login" in page.url
             assert violations == []

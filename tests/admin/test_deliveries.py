@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import threading
 from datetime import timedelta
@@ -88,7 +89,9 @@ def test_the_deliveries_page_filters_and_pages(admin_app, admin):
     since = (NOW - timedelta(days=1)).strftime("%Y-%m-%d %H:%M")
     assert found(since=since) == [ids["new-ci"], ids["new-billing"]]
     assert found(until=since) == [ids["old-audit"], ids["old-billing"]]
-    assert found(consumer="nobody") == []
+    assert found(consumer="ci", state="dead") == []
+    # A consumer no delivery has is a typo, said so (400), not an empty list.
+    assert admin.get("/admin/deliveries?consumer=nobody").status_code == 400
 
     # Keyset paging, two to a page, keeping the filters.
     admin_app.config["ADMIN_PAGE_SIZE"] = 2
@@ -103,8 +106,10 @@ def test_the_deliveries_page_filters_and_pages(admin_app, admin):
 
 
 def test_bad_filters_say_what_is_wrong(admin):
-    page = text(admin.get("/admin/deliveries?state=lost&since=yesterday&limit=0"))
-    assert "Unknown state “lost”." in page
+    response = admin.get("/admin/deliveries?state=lost&since=yesterday&limit=0")
+    assert response.status_code == 400
+    page = text(response)
+    assert "Unknown state “lost”: choose one of" in page
     assert "“yesterday” is not a date and time" in page
     assert "The limit must be a number from 1 to 100,000." in page
     assert "No deliveries" in page
@@ -188,6 +193,33 @@ def test_an_event_is_replayed_from_its_page(admin_app, admin):
     assert len(replay_records(admin_app)) == 2
 
 
+def test_a_replay_to_a_consumer_named_like_the_missing_event_error_is_no_404(admin_app, admin):
+    # The view told a missing event by "no event" in the error's text, which
+    # also quotes the consumer asked for: an existing event answered 404.
+    evt = event(admin_app)
+    delivery(admin_app, evt, consumer="billing", state="dead")
+    response = post(admin, f"/admin/events/{evt}/replay", {"consumer": "no events"})
+    assert response.status_code == 302
+    page = text(admin.get(f"/admin/events/{evt}"))
+    assert "has no delivery to consumer &#39;no events&#39;" in page
+
+
+def test_a_time_filter_before_the_year_1000_survives_the_confirmation(admin_app, admin):
+    # Times were written back with strftime's %Y, unpadded before the year
+    # 1000 ("1-01-01 00:00"): the confirmation form's own since was refused.
+    delivery(admin_app, event(admin_app), consumer="billing", state="dead")
+    page = text(admin.get("/admin/deliveries?since=0001-01-01"))
+    assert 'name="since" value="0001-01-01 00:00"' in page
+    page = text(admin.get("/admin/deliveries/replay?since=0001-01-01"))
+    assert "from 0001-01-01 00:00:00 UTC" in page
+    form = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page))
+    assert form["since"] == "0001-01-01 00:00"
+    data = {k: v for k, v in form.items() if k != "csrf_token"}
+    response = post(admin, "/admin/deliveries/replay", {**data, "confirm": "yes"})
+    assert response.status_code == 302 and response.headers["Location"].endswith("/admin/replays")
+    assert len(replay_records(admin_app)) == 1
+
+
 def test_a_bulk_replay_shows_the_count_then_replays_that_many(admin_app, admin):
     ids = []
     for _ in range(5):
@@ -241,6 +273,37 @@ def test_a_bulk_replay_shows_the_count_then_replays_that_many(admin_app, admin):
     assert "waiting for a worker" not in listing
 
 
+def test_a_bulk_replay_from_a_time_with_seconds_replays_what_was_counted(admin_app, admin):
+    # The confirmation carried the times cut to the minute: from 08:00:30
+    # became from 08:00, and with a limit the count still matched, so the
+    # replay took an older delivery than the one counted and shown.
+    minute = (NOW - timedelta(days=1)).replace(second=0)
+    early = delivery(
+        admin_app, event(admin_app, received_at=minute + timedelta(seconds=10)), state="dead"
+    )
+    late = delivery(
+        admin_app, event(admin_app, received_at=minute + timedelta(seconds=40)), state="dead"
+    )
+    since = (minute + timedelta(seconds=30)).strftime("%Y-%m-%d %H:%M:%S")
+    page = text(admin.get("/admin/deliveries/replay", query_string={"since": since, "limit": "1"}))
+    form = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page))
+    assert form["count"] == "1" and form["up_to"] == str(late)
+    data = {k: v for k, v in form.items() if k != "csrf_token"}
+    response = post(admin, "/admin/deliveries/replay", {**data, "confirm": "yes"})
+    assert response.status_code == 302
+    with admin_app.app_context():
+        assert replay.Runner(admin_app, threading.Event(), 1.0).run_once()
+    states = deliveries_of(admin_app)
+    assert (states[late][0], states[early][0]) == ("pending", "dead")
+    assert form["since"] == since
+    # The filter form shows the time as typed too, in a form its own pattern accepts.
+    for typed in (since, since + ".5"):
+        page = text(admin.get("/admin/deliveries", query_string={"since": typed}))
+        shown = re.search(r'name="since" value="([^"]*)"[^>]*pattern="([^"]*)"', page)
+        assert shown.group(1) == (typed if typed == since else since + ".500000")
+        assert re.fullmatch(html.unescape(shown.group(2)), shown.group(1))
+
+
 def test_a_bulk_replay_whose_count_changed_asks_again(admin_app, admin):
     for _ in range(3):
         delivery(admin_app, event(admin_app), consumer="billing", state="dead")
@@ -276,6 +339,6 @@ def test_a_tampered_confirmation_is_refused(admin_app, admin):
 
 
 def test_nothing_to_replay_offers_no_button(admin):
-    page = text(admin.get("/admin/deliveries/replay?consumer=nobody"))
+    page = text(admin.get("/admin/deliveries/replay?state=dead"))
     assert "<strong>0</strong> deliveries match: nothing to replay." in page
     assert 'name="confirm"' not in page

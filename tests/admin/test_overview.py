@@ -95,3 +95,15 @@ def test_overview_of_an_empty_database(admin):
     day, week = metrics(page)
     assert set(day.values()) == {0} and set(week.values()) == {0}
     assert page.count('class="bar-received"') == 24
+
+
+def test_signature_failures_count_only_refused_webhook_deliveries(admin_app, admin):
+    # Rejections also list broker messages dead-lettered without being
+    # stored: those are no signature failures, and were counted as such.
+    hour_ago = utcnow() - timedelta(hours=1)
+    rejection(admin_app, received_at=hour_ago)
+    rejection(admin_app, received_at=hour_ago, reason="timestamp")
+    for reason in ("dedup-key-missing", "payload-invalid", "message-malformed", "consumer-error"):
+        rejection(admin_app, received_at=hour_ago, source="orders", reason=reason, remote_addr=None)
+    day, week = metrics(text(admin.get("/admin/")))
+    assert day["rejections"] == 2 and week["rejections"] == 2

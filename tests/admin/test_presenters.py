@@ -125,6 +125,9 @@ def test_parse_utc():
         2024, 5, 1, 10, 30, tzinfo=UTC
     )
     assert presenters.parse_utc(" ") is None
+    # Past the ends of the calendar in UTC: a bound before or after every time.
+    assert presenters.parse_utc("0001-01-01T00:00+01:00") == datetime.min.replace(tzinfo=UTC)
+    assert presenters.parse_utc("9999-12-31T23:59-01:00") == datetime.max.replace(tzinfo=UTC)
     with pytest.raises(ValueError):
         presenters.parse_utc("tomorrow")
 

@@ -124,10 +124,12 @@ def test_quoted_sf_string_key_equals_its_bare_form(app, client):
     assert post_event(client, key="x" * 255).status_code == 201
 
 
-def test_non_json_body_is_400_and_binds_no_key(app, client):
+def test_a_body_not_sent_as_json_is_415_and_binds_no_key(app, client):
     response = post_event(client, body=b"not json", content_type="text/plain")
-    assert response.status_code == 400
-    assert response.get_json()["type"] == "/problems/invalid-json"
+    assert response.status_code == 415
+    problem = response.get_json()
+    assert problem["type"] == "/problems/unsupported-media-type"
+    assert "application/json" in problem["detail"]
     assert count(app) == count(app, IdempotencyRecord) == 0
     # Refused before the view began: the corrected request under the key is created.
     assert post_event(client).status_code == 201
@@ -200,3 +202,22 @@ def test_the_event_keeps_the_key_the_record_is_under_not_the_header_as_sent(app,
         }
         records = set(db.session.scalars(db.select(IdempotencyRecord.key)))
     assert keys == records == {'order-"7"', "order-8"}
+
+
+def test_a_refused_idempotency_key_is_told_what_is_wrong_with_it(app, client):
+    # A server cannot tell a key sent twice from one holding a comma (it
+    # joins repeats with commas), but a client that sent one key must not
+    # be told it sent two: the detail names the comma and the way to send it.
+    cases = {
+        "order,7": "comma",
+        '"order-7" x': "after the closing quote",
+    }
+    for key, said in cases.items():
+        response = post_event(client, key=key)
+        assert response.status_code == 400, key
+        problem = response.get_json()
+        assert problem["type"] == "/problems/idempotency-key-invalid", key
+        assert said in problem["detail"], (key, problem["detail"])
+    # A key with a comma is sent quoted, as the draft's sf-string.
+    assert post_event(client, key='"order,7"').status_code == 201
+    assert count(app, IdempotencyRecord) == 1

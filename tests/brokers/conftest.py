@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 
 from webhook_receiver.brokers import runner
 from webhook_receiver.extensions import db
-from webhook_receiver.models import Event, EventConflict
+from webhook_receiver.models import Event, EventConflict, Rejection
 from webhook_receiver.observability import metrics
 
 from ..faults.conftest import stoppable_postgres  # noqa: F401  (a fixture, used by name)
@@ -449,6 +449,18 @@ def dead_letter_count(app: Flask, source: str, reason: str) -> float:
     with app.app_context():  # the registry's collectors read the database too
         value = registry.get_sample_value("webhook_receiver_broker_dead_letters_total", labels)
     return value or 0
+
+
+def rejections(app: Flask, source: str) -> dict[str, int]:
+    """The admin's Rejections for ``source``: reason -> how many."""
+    with app.app_context():
+        rows = db.session.execute(
+            select(Rejection.reason, func.sum(Rejection.seen_count))
+            .where(Rejection.source == source)
+            .group_by(Rejection.reason)
+        ).all()
+        db.session.rollback()
+        return {reason: int(count) for reason, count in rows}
 
 
 # -- Kafka (Tansu, tests/tansu.py) ---------------------------------------------

@@ -130,3 +130,39 @@ def test_a_header_name_holding_a_nul_makes_the_message_malformed():
     with pytest.raises(Unidentified) as refused:
         identify(RABBIT_SOURCE, _delivery(headers={"X-\x00": "v"}))
     assert refused.value.reason == MALFORMED
+
+
+BY_BODY = replace(RABBIT_SOURCE, dedup_key="json:/id", event_type="json:/type")
+
+
+def test_a_lone_surrogate_elsewhere_in_a_json_body_is_stored_as_sent():
+    # JSON's \ud800 escape is valid JSON (RFC 8259 section 8.2): a body whose
+    # key a json: spec reads was dead-lettered as not JSON, where the same
+    # event sent as a webhook is stored. The body is kept byte for byte.
+    body = b'{"id": "evt-1", "type": "order.paid", "note": "x\\ud800y"}'
+    message = identify(BY_BODY, _delivery(body=body))
+    assert (message.dedup_key, message.event_type, message.body) == ("evt-1", "order.paid", body)
+    compare = content_fingerprint(BY_BODY)
+    same = b'{"note":"x\\ud800y","type":"order.paid","id":"evt-1"}'
+    other = b'{"id": "evt-1", "type": "order.paid", "note": "x\\ud801y"}'
+    assert compare(body, "order.paid", None) == compare(same, "order.paid", None)
+    assert compare(body, "order.paid", None) != compare(other, "order.paid", None)
+    # The escape is not the six characters that spell it.
+    spelled = b'{"id": "evt-1", "type": "order.paid", "note": "x\\\\ud800y"}'
+    assert compare(body, "order.paid", None) != compare(spelled, "order.paid", None)
+
+
+@pytest.mark.parametrize(
+    ("body", "spec"),
+    [
+        (b'{"id": "evt-\\ud800", "type": "order.paid"}', "json:/id"),
+        (b'{"id": "evt-1", "type": "order.\\udfff"}', "json:/type"),
+    ],
+)
+def test_a_key_or_type_holding_a_lone_surrogate_is_refused_naming_its_spec(body, spec):
+    # No database stores it as text: dead-lettered, saying which spec read it.
+    with pytest.raises(Unidentified) as refused:
+        identify(BY_BODY, _delivery(body=body))
+    assert refused.value.reason == "payload-invalid"
+    assert "lone surrogate" in refused.value.detail
+    assert spec in refused.value.detail

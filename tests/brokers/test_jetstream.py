@@ -239,14 +239,33 @@ def test_a_dead_letter_subject_no_stream_takes_is_warned_about_at_start(
     assert "no stream takes dead_letter_subject" in caplog.text
 
 
+def _shrink_dead_letter_stream(jetstream, limit: int) -> int:
+    """Set the dead-letter stream's max_msg_size to ``limit``; the size it now has."""
+
+    async def shrink(nc):
+        js = nc.jetstream()
+        config = (await js.stream_info(jetstream.name + "_DEAD")).config
+        config.max_msg_size = limit
+        await js.update_stream(config)
+        return (await js.stream_info(jetstream.name + "_DEAD")).config.max_msg_size
+
+    return jetstream.run(shrink)
+
+
 @pytest.mark.parametrize("fits", ["without-its-reason", "never"])
-def test_a_poison_message_whose_copy_exceeds_max_payload_does_not_loop(
-    make_app, jetstream, monkeypatch, caplog, fits
+@pytest.mark.parametrize("limit_of", ["server", "dead-letter-stream"])
+def test_a_poison_message_whose_copy_is_past_a_size_limit_does_not_loop(
+    make_app, jetstream, monkeypatch, caplog, fits, limit_of
 ):
     # The server counts headers and data against max_payload; nats-py checks
     # the data alone. A message whose data nearly fills it, its copy's added
     # headers past it: the server refused the publish and closed the
     # connection, and the message was nak-ed and refused again, for ever.
+    # The dead-letter stream may take smaller messages than the server
+    # (max_msg_size; headers count there too): its refusal (JetStream error
+    # 10054) was taken for a broker away, with the same loop. A copy that
+    # fits without Dead-Letter-Reason goes so; one that never fits is never
+    # published, and the message is terminated.
     from webhook_receiver.brokers import jetstream as consumer_module
 
     monkeypatch.setattr(consumer_module, "DEAD_LETTER_RETRY_SECONDS", 0.3)
@@ -254,7 +273,11 @@ def test_a_poison_message_whose_copy_exceeds_max_payload_does_not_loop(
     async def max_payload(nc):
         return nc.max_payload
 
-    limit = jetstream.run(max_payload)
+    if limit_of == "server":
+        limit = jetstream.run(max_payload)
+    else:
+        limit = _shrink_dead_letter_stream(jetstream, 2048)
+        assert limit == 2048
     # The copy's own Nats-Msg-Id (the message is the stream's first) fits;
     # its Dead-Letter-Reason (39 bytes) does not.
     msg_id = f"Nats-Msg-Id: dead-letter:{jetstream.name}:1\r\n"
@@ -268,14 +291,74 @@ def test_a_poison_message_whose_copy_exceeds_max_payload_does_not_loop(
         assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
     assert jetstream.delivered() == 2  # never redelivered
     assert "connection" not in caplog.text
+    assert "could not dead-letter" not in caplog.text
     if fits == "never":
         assert jetstream.dead_letters() == []
-        [refused] = [r for r in caplog.records if "was refused" in r.getMessage()]
+        [refused] = [r for r in caplog.records if "was refused (" in r.getMessage()]
         assert refused.levelname == "ERROR"
         assert "terminated without one" in refused.getMessage()
     else:
         [(data, headers)] = jetstream.dead_letters()
         assert data == b"x" * size
         assert "Dead-Letter-Reason" not in headers
-        assert "went without its Dead-Letter-Reason header" in caplog.text
-        assert "was refused" not in caplog.text
+        [warning] = [r for r in caplog.records if "Dead-Letter-Reason header" in r.getMessage()]
+        assert warning.levelname == "WARNING"
+        assert "was refused (" not in caplog.text
+
+
+@pytest.mark.parametrize("own", ["Dead-Letter-Reason", "Dead-Letter-Msg-Id"])
+def test_a_dead_letter_keeps_the_producers_own_dead_letter_headers_and_says_so(
+    make_app, jetstream, caplog, own
+):
+    # A message redriven from a dead-letter stream carries our headers of
+    # its own. The copy replaced the producer's Dead-Letter-Reason, and its
+    # Dead-Letter-Msg-Id with the message's Nats-Msg-Id. nats-py sends a
+    # header name once (a dict) and reads a repeated one as its last, so
+    # ours cannot go beside theirs: the copy keeps theirs, as SQS's and
+    # Pub/Sub's do, and a WARNING gives our reason and the Nats-Msg-Id.
+    app = _app(make_app, jetstream, dedup_key="json:/payment")
+    caplog.set_level("WARNING", "webhook_receiver.brokers")
+    jetstream.publish([_message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        subject, body, headers = _message(1, total=999)
+        sent = {**headers, "Nats-Msg-Id": "other", own: "the producer's own"}
+        jetstream.publish([(subject, body, sent)])
+        assert wait_until(lambda: len(jetstream.dead_letters()) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+    assert dead_letter_count(app, SOURCE, "conflict") == 1
+    [(data, dead_headers)] = jetstream.dead_letters()
+    assert data == body
+    assert dead_headers[own] == "the producer's own"
+    assert dead_headers["Nats-Msg-Id"] == f"dead-letter:{jetstream.name}:2"
+    if own == "Dead-Letter-Reason":
+        assert dead_headers["Dead-Letter-Msg-Id"] == "other"
+    else:
+        assert dead_headers["Dead-Letter-Reason"] == "conflict"
+    [warning] = [r for r in caplog.records if f"went without its {own} header" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert "'other'" in warning.getMessage() and "conflict" in warning.getMessage()
+
+
+def test_a_copy_past_a_size_limit_never_drops_the_producers_own_reason(make_app, jetstream, caplog):
+    # Past the dead-letter stream's max_msg_size, a copy goes without the
+    # Dead-Letter-Reason we add. The producer's own is not ours to drop: a
+    # copy that fits only without it is never published (the message is
+    # terminated with an ERROR line), never published changed.
+    assert _shrink_dead_letter_stream(jetstream, 2048) == 2048
+    reason = "redriven: " + "r" * 60
+    theirs = f"Dead-Letter-Reason: {reason}\r\n"
+    msg_id = f"Nats-Msg-Id: dead-letter:{jetstream.name}:1\r\n"
+    # Past the limit by 10 bytes with their header, within it without.
+    size = 2048 - len("NATS/1.0\r\n\r\n") - len(theirs) - len(msg_id) + 10
+    app = _app(make_app, jetstream)
+    caplog.set_level("WARNING", "webhook_receiver.brokers")
+    jetstream.publish([("paid", b"x" * size, {"Dead-Letter-Reason": reason}), _message(1)])
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        assert wait_until(lambda: jetstream.pending() == (0, 0), 30)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    assert jetstream.delivered() == 2  # never redelivered
+    assert jetstream.dead_letters() == []
+    [refused] = [r for r in caplog.records if "was refused (" in r.getMessage()]
+    assert refused.levelname == "ERROR" and "terminated without one" in refused.getMessage()

@@ -23,11 +23,8 @@ import pytest
 from flask import Flask
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
 
 from webhook_receiver.brokers import runner
-from webhook_receiver.extensions import db
-from webhook_receiver.models import Rejection
 
 from .conftest import (
     Queue,
@@ -37,6 +34,7 @@ from .conftest import (
     duplicate_total,
     nats_source,
     rabbit_source,
+    rejections,
     stored_keys,
     wait_until,
 )
@@ -80,17 +78,6 @@ def both(make_app, amqp_queue: Queue, jetstream: Stream) -> Flask:
             }
         }
     )
-
-
-def _rejections(app: Flask, source: str) -> dict[str, int]:
-    with app.app_context():
-        rows = db.session.execute(
-            select(Rejection.reason, func.sum(Rejection.seen_count))
-            .where(Rejection.source == source)
-            .group_by(Rejection.reason)
-        ).all()
-        db.session.rollback()
-        return {reason: int(count) for reason, count in rows}
 
 
 def _deep_table(depth: int) -> dict:
@@ -173,7 +160,7 @@ def test_rabbitmq_poison_message_between_two_good_ones(both, amqp_queue, jetstre
     assert sorted(stored_keys(both)) == ["good-1", "good-2", "good-3"]
     assert amqp_queue.ready() == 0  # nothing left unacknowledged
     assert amqp_queue.ready(amqp_queue.dead) == 1  # the poison one, dead-lettered
-    assert _rejections(both, RABBIT) == {MALFORMED: 1}
+    assert rejections(both, RABBIT) == {MALFORMED: 1}
 
 
 @pytest.mark.parametrize("case", sorted(NATS_POISON))
@@ -192,7 +179,7 @@ def test_nats_poison_message_between_two_good_ones(both, amqp_queue, jetstream, 
     dead = jetstream.dead_letters()
     assert len(dead) == 1
     assert dead[0][1]["Dead-Letter-Reason"] == MALFORMED
-    assert _rejections(both, NATS) == {MALFORMED: 1}
+    assert rejections(both, NATS) == {MALFORMED: 1}
 
 
 def test_rabbitmq_ids_that_differ_only_in_invalid_bytes_are_never_one_key(

@@ -33,6 +33,7 @@ from .conftest import (
     count_events,
     dead_letter_count,
     duplicate_total,
+    rejections,
     stored_keys,
     wait_until,
 )
@@ -293,10 +294,8 @@ def test_a_poison_message_whose_attributes_are_named_like_publish_s_arguments_is
     app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
     reserved = {"topic": "t", "data": "d", "ordering_key": "o", "retry": "r", "timeout": "9"}
     subscription.publish([(b"not json", {"type": "order", **reserved})])
-    dead: list[Any] = []
     with consuming(app, SOURCE):
-        # Each read takes (acknowledges) what it finds: gather them.
-        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+        dead = _copies(subscription, 20)
     [copy] = dead
     assert copy.data == b"not json"
     assert {name: copy.attributes[name] for name in reserved} == reserved
@@ -336,8 +335,23 @@ def test_a_batch_held_past_half_its_ack_deadline_has_it_extended(
     assert duplicate_total(app) == 0
 
 
+@pytest.fixture
+def dead_lettering(make_app, pubsub_subscription: Subscription, caplog) -> Any:
+    """The source's app (its dead_letter_topic set), the brokers' WARNING lines captured."""
+    app = make_app({"sources": {SOURCE: pubsub_source(pubsub_subscription)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    return app
+
+
+def _copies(subscription: Subscription, seconds: float) -> list[Any]:
+    """The copies on the dead-letter topic, gathered until some came (each read takes them)."""
+    dead: list[Any] = []
+    assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, seconds)
+    return dead
+
+
 def test_a_poison_message_with_100_attributes_is_dead_lettered_without_a_101st(
-    make_app, pubsub_subscription: Subscription, caplog
+    dead_lettering, pubsub_subscription: Subscription, caplog
 ):
     # Pub/Sub takes 100 attributes per message at most (the emulator takes
     # more): the copy goes unchanged, its reason in the log. With a 101st
@@ -347,11 +361,9 @@ def test_a_poison_message_with_100_attributes_is_dead_lettered_without_a_101st(
     attributes = {"type": "order", **{f"a-{n}": str(n) for n in range(99)}}
     assert len(attributes) == 100
     subscription.publish([(b'{"n": 0}', attributes), _message(1)])
-    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
-    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
-    dead: list[Any] = []
+    app = dead_lettering
     with consuming(app, SOURCE):
-        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+        dead = _copies(subscription, 20)
         assert wait_until(lambda: count_events(app) == 1, 20)
         assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
     [copy] = dead
@@ -363,16 +375,13 @@ def test_a_poison_message_with_100_attributes_is_dead_lettered_without_a_101st(
 
 
 def test_a_poison_message_s_own_dead_letter_reason_attribute_is_kept(
-    make_app, pubsub_subscription: Subscription, caplog
+    dead_lettering, pubsub_subscription: Subscription, caplog
 ):
     subscription = pubsub_subscription
     attributes = {"type": "order", "dead-letter-reason": "the producer's"}
     subscription.publish([(b'{"n": 0}', attributes)])
-    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
-    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
-    dead: list[Any] = []
-    with consuming(app, SOURCE):
-        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 20)
+    with consuming(dead_lettering, SOURCE):
+        dead = _copies(subscription, 20)
         assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
     [copy] = dead
     assert dict(copy.attributes) == attributes
@@ -380,7 +389,7 @@ def test_a_poison_message_s_own_dead_letter_reason_attribute_is_kept(
 
 
 def test_a_copy_pub_sub_refuses_as_too_large_is_sent_without_its_reason_or_not_at_all(
-    make_app, pubsub_subscription: Subscription, monkeypatch, caplog
+    dead_lettering, pubsub_subscription: Subscription, monkeypatch, caplog
 ):
     # Pub/Sub refuses a message over 10 MB (InvalidArgument); the emulator
     # takes more. A publish that refuses as Pub/Sub does, past 1,000 bytes
@@ -407,34 +416,16 @@ def test_a_copy_pub_sub_refuses_as_too_large_is_sent_without_its_reason_or_not_a
         return publish(publisher, topic, data, attributes, timeout)
 
     monkeypatch.setattr(adapter, "publish_exactly", as_pub_sub)
-    app = make_app({"sources": {SOURCE: pubsub_source(subscription)}})
-    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
-    dead: list[Any] = []
+    app = dead_lettering
     with consuming(app, SOURCE):
         assert wait_until(lambda: count_events(app) == 1, 20)
         assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 2, 20)
         assert wait_until(lambda: subscription.unacknowledged() == 0, 10)
-        assert wait_until(lambda: dead.extend(subscription.dead_letters()) or dead, 10)
+        dead = _copies(subscription, 10)
     [copy] = dead
     assert (copy.data, dict(copy.attributes)) == near
     assert "went without its dead-letter-reason attribute (refused with it" in caplog.text
     [refused] = [r for r in caplog.records if "was refused (" in r.getMessage()]
     assert refused.levelno == logging.ERROR
     assert "the message is acknowledged without one" in refused.getMessage()
-    assert _rejections(app) == {"dedup-key-missing": 2}
-
-
-def _rejections(app: Any) -> dict[str, int]:
-    """The admin's Rejections for the source: reason -> how many."""
-    from sqlalchemy import func
-
-    from webhook_receiver.models import Rejection
-
-    with app.app_context():
-        found = db.session.execute(
-            select(Rejection.reason, func.sum(Rejection.seen_count))
-            .where(Rejection.source == SOURCE)
-            .group_by(Rejection.reason)
-        ).all()
-        db.session.rollback()
-        return {reason: int(count) for reason, count in found}
+    assert rejections(app, SOURCE) == {"dedup-key-missing": 2}

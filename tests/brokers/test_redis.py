@@ -375,3 +375,41 @@ def test_an_entry_whose_dead_letter_copy_fails_is_not_acknowledged_away(make_app
     assert dead[b"body"] == b'{"no": "key"}' and dead[b"dead_letter_reason"] == b"dedup-key-missing"
     assert stored_keys(app) == ["job-1"]
     assert duplicate_total(app) == 0  # the stored entry was acknowledged, not read again
+
+
+@pytest.mark.parametrize("own", ["reason", "all-three"])
+def test_a_dead_letter_keeps_the_entrys_own_dead_letter_fields_and_says_so(
+    make_app, redis_stream, caplog, own
+):
+    # An entry redriven from a dead-letter stream carries our fields of its
+    # own. The copy replaced them with ours. Redis keeps a repeated field
+    # name, but redis-py (ours, and most readers') reads it as its last
+    # value: ours beside theirs would hide theirs. The copy keeps the
+    # entry's fields, adds only ours it has no field of, and a WARNING gives
+    # our reason and the entry's id, as SQS's and Pub/Sub's copies do.
+    theirs = {"dead_letter_reason": "the producer's own"}
+    if own == "all-three":
+        theirs |= {"dead_letter_id": "7-0", "dead_letter_stream": "elsewhere"}
+    poison = {"type": "job.created", "body": b'{"no": "key"}', **theirs}
+    redis_stream.publish([poison, _entry(1)])
+    app = make_app({"sources": {SOURCE: redis_source(redis_stream)}})
+    caplog.set_level("WARNING", "webhook_receiver.brokers")
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: count_events(app) == 1, 30)
+        assert wait_until(lambda: redis_stream.unsettled() == 0, 10)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    [(entry_id, _), _] = redis_stream.client().xrange(redis_stream.name)
+    [dead] = redis_stream.dead_letters()
+    sent = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in poison.items()}
+    ours = {b"dead_letter_id": entry_id, b"dead_letter_stream": redis_stream.name.encode()}
+    assert dead == (sent if own == "all-three" else {**sent, **ours})
+    kept = (
+        "dead_letter_reason, dead_letter_id and dead_letter_stream fields"
+        if own == "all-three"
+        else "dead_letter_reason field"
+    )
+    [warning] = [r for r in caplog.records if "went without its dead_letter_" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    message = warning.getMessage()
+    assert f"went without its {kept} (" in message
+    assert entry_id.decode() in message and "dedup-key-missing" in message

@@ -29,7 +29,14 @@ from ..helpers import rows
 from ..helpers.brokers import FORWARDED
 from . import cloud_examples
 from .cloud_fixtures import SqsQueue, sqs_source
-from .conftest import consuming, count_events, dead_letter_count, duplicate_total, wait_until
+from .conftest import (
+    consuming,
+    count_events,
+    dead_letter_count,
+    duplicate_total,
+    rejections,
+    wait_until,
+)
 from .running import hold_writers
 from .test_poison import _HYPOTHESIS, _settled_total
 
@@ -381,25 +388,31 @@ def test_dead_letters_too_large_for_one_send_message_batch_are_sent_all_the_same
     assert dead_letter_count(app, SOURCE, "dedup-key-missing") == 4
 
 
-def _dead_letter_queue_max(queue: SqsQueue, size: int) -> None:
-    queue.client().set_queue_attributes(
-        QueueUrl=queue.dead_url, Attributes={"MaximumMessageSize": str(size)}
+@pytest.fixture
+def small_dead_letter_queue(make_app, sqs_queue: SqsQueue, caplog) -> Any:
+    """The source's app, its dead-letter queue taking 1,024 bytes at most (SQS's least).
+
+    The brokers' WARNING lines are captured.
+    """
+    sqs_queue.client().set_queue_attributes(
+        QueueUrl=sqs_queue.dead_url, Attributes={"MaximumMessageSize": "1024"}
     )
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    return app
 
 
 def test_a_dead_letter_too_long_for_the_dead_letter_queue_is_deleted_without_a_copy(
-    make_app, sqs_queue: SqsQueue, caplog
+    small_dead_letter_queue, sqs_queue: SqsQueue, caplog
 ):
     # The dead-letter queue takes 1,024 bytes at most (SQS's least): the
     # 2,000-byte poison message's copy is refused for good. It was retried
     # every 5 s for ever, with the small poison message sent in the same
     # call (SQS refuses the whole call for one entry), and neither reached it.
-    _dead_letter_queue_max(sqs_queue, 1024)
     small = _entry(None, json.dumps({"n": 1}).encode())
     large = _entry(None, json.dumps({"n": 2, "pad": "x" * 2000}).encode())
     sqs_queue.send([small, large, _entry("m-3", _body(3))])
-    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
-    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    app = small_dead_letter_queue
     with consuming(app, SOURCE):
         assert wait_until(lambda: count_events(app) == 1, 20)
         assert wait_until(lambda: sqs_queue.counts() == (0, 0), 20)
@@ -411,7 +424,7 @@ def test_a_dead_letter_too_long_for_the_dead_letter_queue_is_deleted_without_a_c
     assert [r.levelno for r in refused] == [logging.ERROR]
     assert "Message must be shorter than 1024 bytes" in refused[0].getMessage()
     assert "the message is deleted without one" in refused[0].getMessage()
-    assert _rejections(app) == {"dedup-key-missing": 2}
+    assert rejections(app, SOURCE) == {"dedup-key-missing": 2}
 
 
 class _CountingAttributes:
@@ -446,20 +459,18 @@ class _CountingAttributes:
 
 
 def test_a_dead_letter_the_reason_attribute_makes_too_long_is_sent_without_it(
-    make_app, sqs_queue: SqsQueue, monkeypatch, caplog
+    small_dead_letter_queue, sqs_queue: SqsQueue, monkeypatch, caplog
 ):
     # Both queues take 1,024 bytes: a poison message of 1,000 bytes with
     # its type attribute fits; its copy, with the reason attribute, does not.
     from webhook_receiver.brokers.sqs import SqsConsumer
 
-    _dead_letter_queue_max(sqs_queue, 1024)
     made = SqsConsumer._client
     monkeypatch.setattr(SqsConsumer, "_client", lambda self: _CountingAttributes(made(self), 1024))
     near = _entry(None, json.dumps({"pad": "x" * 989}).encode())
     assert len(near["MessageBody"]) == 1000
     sqs_queue.send([near, _entry("m-1", _body(1))])
-    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
-    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    app = small_dead_letter_queue
     with consuming(app, SOURCE):
         assert wait_until(lambda: sqs_queue.counts(sqs_queue.dead_url)[0] == 1, 20)
         assert wait_until(lambda: sqs_queue.counts() == (0, 0), 20)
@@ -473,17 +484,35 @@ def test_a_dead_letter_the_reason_attribute_makes_too_long_is_sent_without_it(
     assert "deleted without one" not in caplog.text
 
 
-def _rejections(app: Any) -> dict[str, int]:
-    """The admin's Rejections for the source: reason -> how many."""
-    from sqlalchemy import func
-
-    from webhook_receiver.models import Rejection
-
-    with app.app_context():
-        found = db.session.execute(
-            select(Rejection.reason, func.sum(Rejection.seen_count))
-            .where(Rejection.source == SOURCE)
-            .group_by(Rejection.reason)
-        ).all()
-        db.session.rollback()
-        return {reason: int(count) for reason, count in found}
+@pytest.mark.parametrize("attributes", ["its-own-reason", "ten-attributes"])
+def test_a_dead_letter_with_no_room_for_the_reason_keeps_its_attributes_and_says_so(
+    make_app, sqs_queue: SqsQueue, caplog, attributes
+):
+    # The copy is the message unchanged plus a reason attribute. A producer's
+    # own dead-letter-reason (a message redriven from a dead-letter queue,
+    # say) was overwritten with ours; a message with SQS's most of 10
+    # attributes got none, silently. Either way the copy now carries the
+    # message's attributes exactly, and a WARNING gives the reason, as
+    # Pub/Sub's copies do.
+    extra = (
+        {"dead-letter-reason": "the producer's own"}
+        if attributes == "its-own-reason"
+        else {f"a{n}": str(n) for n in range(9)}
+    )
+    poison = _entry(None, _body(1), **extra)
+    assert len(poison["MessageAttributes"]) <= 10
+    sqs_queue.send([poison, _entry("m-2", _body(2))])
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    caplog.set_level(logging.WARNING, "webhook_receiver.brokers")
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: sqs_queue.counts(sqs_queue.dead_url)[0] == 1, 20)
+        assert wait_until(lambda: sqs_queue.counts() == (0, 0), 20)
+        assert wait_until(lambda: dead_letter_count(app, SOURCE, "dedup-key-missing") == 1, 10)
+    [copy] = sqs_queue.receive_all(sqs_queue.dead_url)
+    assert copy["Body"] == poison["MessageBody"]
+    assert copy["MessageAttributes"] == poison["MessageAttributes"]
+    [warning] = [
+        r for r in caplog.records if "went without its dead-letter-reason" in r.getMessage()
+    ]
+    assert warning.levelno == logging.WARNING
+    assert "dedup-key-missing" in warning.getMessage()

@@ -67,6 +67,18 @@ def test_testing_gets_a_development_secret_key(instance):
 # -- retention ------------------------------------------------------------------
 
 
+def test_an_idempotency_key_must_outlive_its_lease():
+    # Shorter, a request still running holds an expired key: another could
+    # take it over and run the same work twice, and the purge delete it.
+    settings = {"TESTING": True, "RECEIVER_CONFIG": {}, "IDEMPOTENCY_LEASE_SECONDS": 60}
+    with pytest.raises(cfg.ConfigError, match="a key must outlive the request it holds"):
+        create_app({**settings, "IDEMPOTENCY_TTL_SECONDS": 59})
+    assert (
+        create_app({**settings, "IDEMPOTENCY_TTL_SECONDS": 60}).config["IDEMPOTENCY_TTL_SECONDS"]
+        == 60
+    )
+
+
 def test_api_retention_must_outlive_idempotency_keys():
     with pytest.raises(cfg.ConfigError, match="API events must outlive their keys"):
         create_app(

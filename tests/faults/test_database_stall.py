@@ -194,6 +194,10 @@ def test_the_worker_warns_once_while_its_claim_is_stuck_then_delivers(
             assert wait_until(lambda: _lines(caplog, STALLED), timeout=5)
             time.sleep(0.5)
             assert downstream.calls == []
+            # Only what was said while the lock held counts: a loaded machine
+            # may pause any later call past the threshold, and that warning
+            # would be true too.
+            while_locked = [(r.what, r.worker) for r in _lines(caplog, STALLED)]
         assert wait_until(
             lambda: delivery(app, event_id, "billing")["state"] == "delivered", timeout=10
         )
@@ -201,9 +205,8 @@ def test_the_worker_warns_once_while_its_claim_is_stuck_then_delivers(
         thread.join(10)
     worker.http.close()
     assert not thread.is_alive()
-    warnings = _lines(caplog, STALLED)
-    assert [(r.what, r.worker) for r in warnings] == [("worker claim", worker.name)]
-    assert [r.what for r in _lines(caplog, FINISHED)] == ["worker claim"]
+    assert while_locked == [("worker claim", worker.name)]
+    assert _lines(caplog, FINISHED)[0].what == "worker claim"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(downstream.calls) == 1
 

@@ -194,7 +194,7 @@ def delivery_for(source: str, key: str) -> tuple[bytes, dict[str, str]]:
         return body, {"X-Hub-Signature": hmac_hex(body), "Content-Type": "application/json"}
     if source == "paddle":
         return paddle_delivery(
-            {"notification_id": key, "event_id": "evt_1", "event_type": "transaction.created"}
+            {"notification_id": f"ntf_{key}", "event_id": key, "event_type": "transaction.created"}
         )
     raise AssertionError(f"no delivery builder for source {source}")
 

@@ -233,7 +233,7 @@ def test_4xx_results_are_stored_and_replayed(app, client):
 
 def test_expired_record_counts_as_absent(make_app):
     calls.clear()
-    app = make_app(IDEMPOTENCY_TTL_SECONDS=1)
+    app = make_app(IDEMPOTENCY_TTL_SECONDS=1, IDEMPOTENCY_LEASE_SECONDS=1)
     app.register_blueprint(make_test_blueprint())
     client = app.test_client()
     post(client, "/t/ok")

@@ -20,7 +20,7 @@ from webhook_receiver.models import IdempotencyRecord
 
 from ..conftest import ACME_TOKEN
 from ..helpers import count_at
-from ..servers import gunicorn
+from ..servers import gunicorn, read_http_request
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ class DroppingProxy:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(self.timeout)
-            request = _read_request(conn)
+            request = read_http_request(conn)
             if request is None:
                 return
             with socket.create_connection(
@@ -180,27 +180,6 @@ class DroppingProxy:
         self._stopping.set()
         self._listener.close()
         self._thread.join(timeout=5)
-
-
-def _read_request(conn: socket.socket) -> bytes | None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value.strip())
-    while len(body) < length:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        body += chunk
-    return head + b"\r\n\r\n" + body
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:

@@ -157,7 +157,9 @@ REFUSED_BODIES = [
     pytest.param(b'{"type":5,"data":1}', JSON, 400, "invalid-event", id="400-type-not-a-string"),
     pytest.param(b'{"type":"x"}', JSON, 400, "invalid-event", id="400-no-data"),
     pytest.param(b"[1,2]", JSON, 400, "invalid-event", id="400-not-an-object"),
-    pytest.param(json.dumps(GOOD).encode(), "text/plain", 400, "invalid-json", id="400-not-json"),
+    pytest.param(
+        json.dumps(GOOD).encode(), "text/plain", 415, "unsupported-media-type", id="415-not-json"
+    ),
     pytest.param(
         json.dumps(GOOD).encode(),
         "application/json; x=" + "a" * 300,

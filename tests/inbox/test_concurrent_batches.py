@@ -65,8 +65,46 @@ def _storing(
     return thread
 
 
+@pytest.fixture
+def locking(make_app, caplog) -> Iterator[Any]:
+    """The app, in its context, its INFO lines captured (skipped on SQLite: no row locks)."""
+    app = make_app(_config())
+    caplog.set_level(logging.INFO, logger="webhook_receiver")
+    with app.app_context():
+        if _sqlite():
+            pytest.skip("SQLite has no lock per key or row: one writer at a time, no deadlock")
+        yield app
+
+
+def _crossing(
+    app: Any,
+    first: list[str],
+    second: list[str],
+    positions: tuple[Sequence[inbox.Position], Sequence[inbox.Position]] = ((), ()),
+) -> tuple[Any, Any]:
+    """Store two batches at once, in the app's context; each one's outcomes.
+
+    The first waits on what this session holds (an uncommitted row), the
+    second starts and waits too, then this session lets go: both must end,
+    neither with an error.
+    """
+    results: dict[str, Any] = {}
+    one = _storing(app, first, results, positions[0])
+    assert _sessions_waiting_on_a_lock(db.engine, 1, [one])
+    other = _storing(app, second, results, positions[1])
+    assert _sessions_waiting_on_a_lock(db.engine, 2, [one, other])
+    db.session.rollback()  # the held row let go: the first batch goes on
+    one.join(30)
+    other.join(30)
+    assert not one.is_alive() and not other.is_alive()
+    stored = results[",".join(first)], results[",".join(second)]
+    for outcomes in stored:
+        assert not isinstance(outcomes, Exception), outcomes
+    return stored
+
+
 def test_overlapping_batches_in_opposite_orders_are_both_stored_the_deadlock_retried(
-    make_app, caplog
+    locking, caplog
 ):
     # Two consumers store batches whose keys overlap, in opposite orders. Each
     # batch's INSERT locks its rows' keys one after the other, in the order
@@ -76,41 +114,26 @@ def test_overlapping_batches_in_opposite_orders_are_both_stored_the_deadlock_ret
     # once (database.retrying_conflicts), never taken for the database being
     # away. A held key ("b", an uncommitted event) pauses the first batch
     # between its keys, so that the second starts while the first holds "a".
-    app = make_app(_config())
-    caplog.set_level(logging.INFO, logger="webhook_receiver")
-    with app.app_context():
-        if _sqlite():
-            pytest.skip("SQLite has no lock per key: one writer at a time, no deadlock")
-        held = inbox.add(message("b"))  # this session's transaction, not committed
-        assert held is not None
-        results: dict[str, Any] = {}
-        first = _storing(app, ["a", "b", "c"], results)
-        assert _sessions_waiting_on_a_lock(db.engine, 1, [first])  # on "b", "a" inserted
-        second = _storing(app, ["c", "a"], results)
-        assert _sessions_waiting_on_a_lock(db.engine, 2, [first, second])
-        db.session.rollback()  # "b" let go: the first batch goes on
-        first.join(30)
-        second.join(30)
-        assert not first.is_alive() and not second.is_alive()
-        one, other = results["a,b,c"], results["c,a"]
-        assert not isinstance(one, Exception), one
-        assert not isinstance(other, Exception), other
-        ids = {key: outcome.event_id for key, outcome in zip("abc", one, strict=True)}
-        ids |= {key: outcome.event_id for key, outcome in zip("ca", other, strict=True)}
-        # Each key stored once, by one batch or the other; the other found it.
-        kinds = sorted(type(o).__name__ for o in [*one, *other])
-        assert kinds == ["Accepted"] * 3 + ["Duplicate"] * 2
-        rows = db.session.execute(
-            text("SELECT dedup_key, id FROM events WHERE dedup_key IN ('a', 'b', 'c')")
-        ).all()
-        db.session.rollback()
-        assert dict(rows) == ids
+    held = inbox.add(message("b"))  # this session's transaction, not committed
+    assert held is not None
+    # The first waits on "b", "a" inserted; "b" let go, it goes on.
+    one, other = _crossing(locking, ["a", "b", "c"], ["c", "a"])
+    ids = {key: outcome.event_id for key, outcome in zip("abc", one, strict=True)}
+    ids |= {key: outcome.event_id for key, outcome in zip("ca", other, strict=True)}
+    # Each key stored once, by one batch or the other; the other found it.
+    kinds = sorted(type(o).__name__ for o in [*one, *other])
+    assert kinds == ["Accepted"] * 3 + ["Duplicate"] * 2
+    rows = db.session.execute(
+        text("SELECT dedup_key, id FROM events WHERE dedup_key IN ('a', 'b', 'c')")
+    ).all()
+    db.session.rollback()
+    assert dict(rows) == ids
     # The deadlock happened, and its victim was stored on its next attempt.
     assert [r for r in caplog.records if "retrying" in r.getMessage()]
 
 
 def test_batches_moving_the_same_partitions_in_opposite_orders_wait_rather_than_deadlock(
-    make_app, caplog
+    locking, caplog
 ):
     # Two consumers of one source (a rebalance) move the same partitions, in
     # opposite orders: each position's upsert locks its row until the batch
@@ -118,26 +141,12 @@ def test_batches_moving_the_same_partitions_in_opposite_orders_wait_rather_than_
     # pauses the first batch between its positions, so that the second
     # starts while the first holds partition 0: the interleaving of a
     # deadlock, unless both take the rows in one order.
-    app = make_app(_config())
-    caplog.set_level(logging.INFO, logger="webhook_receiver")
-    with app.app_context():
-        if _sqlite():
-            pytest.skip("SQLite has no lock per row: one writer at a time, no deadlock")
-        inbox.receive_many([], positions=[at(0, 1), at(1, 1), at(2, 1)])
-        db.session.execute(text("UPDATE broker_positions SET next_offset = 2 WHERE partition = 1"))
-        results: dict[str, Any] = {}
-        first = _storing(app, ["p"], results, [at(0, 5), at(1, 5), at(2, 5)])
-        assert _sessions_waiting_on_a_lock(db.engine, 1, [first])  # on partition 1
-        second = _storing(app, ["q"], results, [at(2, 6), at(0, 6)])
-        assert _sessions_waiting_on_a_lock(db.engine, 2, [first, second])
-        db.session.rollback()  # partition 1 let go: the first batch goes on
-        first.join(30)
-        second.join(30)
-        assert not first.is_alive() and not second.is_alive()
-        assert not isinstance(results["p"], Exception), results["p"]
-        assert not isinstance(results["q"], Exception), results["q"]
-        moved = inbox.stored_positions(SOURCE)
-        assert moved == {("orders", 0): 6, ("orders", 1): 5, ("orders", 2): 6}
+    inbox.receive_many([], positions=[at(0, 1), at(1, 1), at(2, 1)])
+    db.session.execute(text("UPDATE broker_positions SET next_offset = 2 WHERE partition = 1"))
+    # The first waits on partition 1; partition 1 let go, it goes on.
+    _crossing(locking, ["p"], ["q"], ([at(0, 5), at(1, 5), at(2, 5)], [at(2, 6), at(0, 6)]))
+    moved = inbox.stored_positions(SOURCE)
+    assert moved == {("orders", 0): 6, ("orders", 1): 5, ("orders", 2): 6}
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]
 
 

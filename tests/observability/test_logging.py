@@ -18,6 +18,13 @@ from webhook_receiver.config import ConfigError
 from webhook_receiver.extensions import db
 from webhook_receiver.observability import logging as obs_logging
 
+from ..brokers.conftest import (
+    consuming,
+    count_events,
+    dead_letter_count,
+    rabbit_source,
+    wait_until,
+)
 from ..conftest import ACME_TOKEN, CLIENTS, SECRET_KEY, bearer
 from ..helpers import signing as s
 from ..servers import ROOT, gunicorn
@@ -293,3 +300,57 @@ def test_a_callers_request_id_is_kept_only_when_bounded_and_plain(
     assert line["correlation_id"] == echoed
     with app.app_context():
         assert db.session.get(Event, response.get_json()["id"]).correlation_id == echoed
+
+
+def test_a_broker_message_dead_lettered_logs_its_key_and_correlation_id(
+    make_app, amqp_queue, captured
+):
+    # An over-long type is refused once the key is read; a keyless message has
+    # none to name. Both name the producer's correlation id, as a stored one does.
+    source = rabbit_source(amqp_queue, event_type="json:/type")
+    app = make_app({"sources": {"orders": source}})
+    props = {"content_type": "application/json", "correlation_id": "corr-7"}
+    amqp_queue.publish(
+        [
+            (b'{"type": "%s"}' % (b"t" * 300), {**props, "message_id": "m-long"}),
+            (b'{"type": "order"}', {**props, "correlation_id": "corr-8"}),
+            (b'{"type": "order"}', {**props, "message_id": "m-ok"}),
+        ]
+    )
+    with consuming(app, "orders"):
+        assert wait_until(lambda: count_events(app) == 1)
+        assert wait_until(
+            lambda: (
+                dead_letter_count(app, "orders", "payload-invalid") == 1
+                and dead_letter_count(app, "orders", "dedup-key-missing") == 1
+            )
+        )
+    logged = lines(captured)
+    dead = {line["reason"]: line for line in logged if line.get("outcome") == "dead_letter"}
+    assert dead["payload-invalid"]["dedup_key"] == "m-long"
+    assert dead["payload-invalid"]["correlation_id"] == "corr-7"
+    assert "dedup_key" not in dead["dedup-key-missing"]
+    assert dead["dedup-key-missing"]["correlation_id"] == "corr-8"
+    [stored] = [line for line in logged if line.get("outcome") == "batch"]
+    assert stored["messages"][0]["correlation_id"] == "corr-7"
+
+
+def test_a_signed_delivery_refused_after_its_key_was_read_logs_the_key(app, client, captured):
+    # Refused by the storage boundary once identified: a Content-Type too long
+    # to store (415), a type holding a NUL (400). The key was read: the line
+    # names it, so the provider's delivery can be found. A key too long to
+    # read is named by no line.
+    body, headers = stripe_body("evt_long_type")
+    long_type = {**headers, "Content-Type": "application/json; x=" + "a" * 300}
+    assert client.post("/webhooks/stripe-live", data=body, headers=long_type).status_code == 415
+    body, headers = s.stripe_delivery({"id": "evt_nul", "type": "invoice\x00paid"})
+    assert client.post("/webhooks/stripe-live", data=body, headers=headers).status_code == 400
+    body, headers = s.stripe_delivery({"id": "k" * 513, "type": "invoice.paid"})
+    assert client.post("/webhooks/stripe-live", data=body, headers=headers).status_code == 400
+    refused = [line for line in lines(captured) if line["message"] == "delivery refused"]
+    assert [(line["outcome"], line.get("dedup_key")) for line in refused] == [
+        ("refused_unsupported-media-type", "evt_long_type"),
+        ("refused_payload-invalid", "evt_nul"),
+        ("refused_dedup-key-missing", None),
+    ]
+    assert_clean(captured.getvalue())

@@ -18,6 +18,7 @@ from sqlalchemy import select
 from webhook_receiver import inbox
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery
+from webhook_receiver.processing import forwarding
 from webhook_receiver.processing.worker import Worker
 
 from ..brokers.conftest import amqp_queue, jetstream, nats_url, rabbit_url  # noqa: F401
@@ -163,6 +164,21 @@ def clock() -> Clock:
 
 def forward(name: str, url: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "url": url, "timeout_seconds": 1, **extra}
+
+
+def outgoing(
+    key: str = "evt-1", body: bytes = b"{}", correlation_id: str | None = "req-1"
+) -> forwarding.Outgoing:
+    """An event as the worker hands it to ``forwarding.send``: shop's order.paid, JSON."""
+    return forwarding.Outgoing(
+        event_id=1,
+        source="shop",
+        dedup_key=key,
+        event_type="order.paid",
+        content_type="application/json",
+        body=body,
+        correlation_id=correlation_id,
+    )
 
 
 def config_with(

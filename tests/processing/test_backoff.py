@@ -7,11 +7,15 @@ from email.utils import format_datetime
 
 import pytest
 
+from webhook_receiver.database import unit_of_work
+from webhook_receiver.outbox import deliveries
 from webhook_receiver.processing.backoff import (
     delay_seconds,
     is_retryable_status,
     parse_retry_after,
 )
+
+from .conftest import FAST, Reply, config_with, delivery, drain, forward, store_event
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -54,3 +58,47 @@ def test_retry_after_with_non_ascii_digits_is_ignored_not_a_crash():
     now = datetime(2026, 12, 2, tzinfo=UTC)
     assert parse_retry_after("\u00b2", now) is None
     assert parse_retry_after("\u0663", now) is None  # ARABIC-INDIC DIGIT THREE
+
+
+def test_the_step_of_a_late_attempt_is_the_cap_not_an_overflow():
+    # 30.0 * 2**1024 is past a float (the worker's settings are floats): the
+    # 1026th attempt raised OverflowError.
+    for attempt in (64, 65, 1025, 1026, 10**6):
+        assert delay_seconds(attempt, base=30.0, cap=3600.0, rand=lambda: 1.0) == 3600
+
+
+def test_a_forward_with_many_attempts_backs_off_at_its_thousandth_failure(
+    make_app, downstream, clock, make_worker
+):
+    billing = forward("billing", downstream.url + "/billing", max_attempts=5000)
+    app = make_app(config_with([billing]), **FAST)
+    downstream.replies["/billing"] = [Reply(500, body=b"down")]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    with app.app_context(), unit_of_work() as session:
+        # As after 1,099 failures (the clock of a test moves no faster).
+        session.execute(
+            deliveries._t.update().where(deliveries._t.c.event_id == event_id).values(attempts=1099)
+        )
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "billing")
+    assert (row["state"], row["attempts"]) == ("pending", 1100)
+    assert row["next_attempt_at"] == clock() + timedelta(seconds=FAST["WORKER_BACKOFF_MAX_SECONDS"])
+
+
+def test_a_retry_after_past_any_date_is_no_crash_with_a_huge_cap(
+    make_app, downstream, clock, make_worker
+):
+    # An operator's "honour any Retry-After" (a cap of 1e15 s) and a target's
+    # absurd one: now + that is past year 9999, OverflowError out of the
+    # worker's thread, the delivery leased to the end of its lease each time.
+    app = make_app(
+        config_with([forward("billing", downstream.url + "/billing")]),
+        **FAST,
+        WORKER_RETRY_AFTER_MAX_SECONDS=1e15,
+    )
+    downstream.replies["/billing"] = [Reply(503, {"Retry-After": "9" * 20})]
+    event_id = store_event(app, clock, dedup_key="evt-1")
+    assert drain(app, make_worker(app, clock)) == ["retry"]
+    row = delivery(app, event_id, "billing")
+    assert row["state"] == "pending"
+    assert row["next_attempt_at"].year > clock().year + 50

@@ -35,7 +35,7 @@ from ..brokers.cloud_fixtures import (  # noqa: F401  (fixtures)
 from ..brokers.mqtt_fixtures import client as mqtt_client
 from ..servers import Relay
 from ..session_server import end, free_port
-from .conftest import FAST, config_with, delivery, drain, forward, store_event
+from .conftest import FAST, config_with, delivery, drain, forward, outgoing, store_event
 
 
 def _wait_for(predicate: Any, timeout: float = 20.0) -> bool:
@@ -421,17 +421,6 @@ def test_amqp_forward_past_the_brokers_max_message_size_is_refused_and_the_next_
         ],
         "test",
     )
-
-    def outgoing(key: str, body: bytes) -> forwarding.Outgoing:
-        return forwarding.Outgoing(
-            event_id=1,
-            source="shop",
-            dedup_key=key,
-            event_type="order.paid",
-            content_type="application/json",
-            body=body,
-            correlation_id="req-1",
-        )
 
     big = forwarding.send(None, "bus", bus, outgoing("evt-1", b"x" * (128 * 1024 * 1024 + 1)))
     assert (big.ok, big.retryable) == (False, False)

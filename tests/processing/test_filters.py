@@ -145,6 +145,20 @@ def test_a_body_that_is_not_json_passes_no_filter(make_app):
     assert _consumers_by_key(app) == {"evt-0": ["everything"], "evt-1": ["everything"]}
 
 
+def test_a_body_holding_a_lone_surrogate_is_filtered_as_json(make_app):
+    # Stored as sent by every intake (a webhook, a broker message, a
+    # CloudEvent): an escaped lone surrogate in a member the filter does not
+    # read must not make the whole body "not JSON" for the filter.
+    app = _app(make_app)
+    clock = Clock()
+    big = b'{"type": "order.paid", "note": "\\ud800", "data": {"amount": 150}}'
+    small = b'{"type": "order.paid", "note": "\\udfff", "data": {"amount": 50}}'
+    with app.app_context():
+        inbox.receive(_message(0, clock, body=big))
+        inbox.receive(_message(1, clock, body=small))
+    assert _consumers_by_key(app) == {"evt-0": ["big", "everything"], "evt-1": ["everything"]}
+
+
 def test_an_expression_failing_on_a_body_drops_the_event(make_app):
     # length() of a number is a type error for this event: not delivered, not a failed receipt.
     config = config_with([forward("long", "http://127.0.0.1:9/long", filter="length(data) > `1`")])

@@ -10,11 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from email.utils import format_datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from webhook_receiver.config.forwards import parse_forwards
 from webhook_receiver.database import unit_of_work
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Event
@@ -22,7 +24,17 @@ from webhook_receiver.outbox import deliveries
 from webhook_receiver.processing import forwarding, publishers, registry
 
 from ..servers import Relay, free_port
-from .conftest import FAST, Reply, config_with, delivery, delivery_rows, drain, forward, store_event
+from .conftest import (
+    FAST,
+    Reply,
+    config_with,
+    delivery,
+    delivery_rows,
+    drain,
+    forward,
+    outgoing,
+    store_event,
+)
 
 
 def _app(make_app, downstream, *forwards, **overrides):
@@ -562,6 +574,65 @@ def test_amqp_forward_unconfirmed_within_its_timeout_is_a_retryable_failure(
         "bus:shop:evt-2",
         "bus:shop:evt-2",
     ]
+
+
+# AMQP's Connection.OpenOk method (class 10, method 41): the handshake is over.
+_AMQP_OPEN_OK = b"\x00\x0a\x00\x29"
+
+
+def _amqp_send_through(relay: Relay, amqp_queue: Any, timeout: float) -> tuple[Any, float]:
+    """One attempt of a forward to ``amqp_queue`` through ``relay``, as the worker makes it."""
+    broker = urlsplit(amqp_queue.url)
+    url = urlunsplit(broker._replace(netloc=f"guest:guest@127.0.0.1:{relay.port}"))
+    [bus] = parse_forwards(
+        [
+            {
+                "name": "bus",
+                "url": url,
+                "exchange": "",
+                "routing_key": amqp_queue.name,
+                "timeout_seconds": timeout,
+            }
+        ],
+        "test",
+    )
+    out = outgoing()
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        # A hang is a failure, not a stuck test: the worker's lease would end.
+        result = pool.submit(forwarding.send, None, "bus", bus, out).result(30)
+        elapsed = time.monotonic() - started
+        pool.submit(publishers.close_thread_connections).result(10)
+    return result, elapsed
+
+
+def test_amqp_forward_to_a_broker_that_never_answers_ends_within_its_timeout(amqp_queue):
+    # No kept connection: the attempt opens one, whose handshake the broker
+    # never answers. pika's stack timeout is no AMQPError: it was taken for
+    # a publisher's bug ("failed unexpectedly", an ERROR with its
+    # traceback). Taken as a connection error, it must not open a second,
+    # fresh connection in a whole timeout_seconds more: twice the timeout is
+    # all the worker's lease is required to outlast.
+    broker = urlsplit(amqp_queue.url)
+    with Relay(broker.port or 5672) as relay:
+        relay.hold()
+        result, elapsed = _amqp_send_through(relay, amqp_queue, timeout=2)
+    assert (result.ok, result.retryable) == (False, True)
+    assert "unexpectedly" not in (result.error or ""), result.error
+    assert "Timeout during AMQP handshake" in (result.error or ""), result.error
+    assert elapsed < 3, f"the attempt took {elapsed:.1f} s, its timeout is 2 s"
+
+
+def test_amqp_forward_whose_channel_is_never_opened_ends_within_its_timeout(amqp_queue):
+    # The handshake passes, then the broker answers nothing: pika waits for
+    # the channel's opening (and the confirm mode's) with no bound of its
+    # own, and the worker hung there past its lease.
+    broker = urlsplit(amqp_queue.url)
+    with Relay(broker.port or 5672, hold_after=_AMQP_OPEN_OK) as relay:
+        result, elapsed = _amqp_send_through(relay, amqp_queue, timeout=2)
+    assert (result.ok, result.retryable) == (False, True)
+    assert "no open channel from the broker within 2 s" in (result.error or "")
+    assert elapsed < 3, f"the attempt took {elapsed:.1f} s, its timeout is 2 s"
 
 
 def test_amqp_forward_republishes_the_same_message_id_after_a_worker_died(

@@ -122,6 +122,14 @@ def test_handler_names_are_checked():
         handler(source="shop", name="has space")(lambda event, session: None)
 
 
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "3"])
+def test_a_handler_s_max_attempts_must_be_a_positive_integer(value):
+    # 0 made every delivery dead before the handler ran ("out of attempts
+    # (0); the last one's lease expired"), as a forward's is refused at load.
+    with pytest.raises(ValueError, match="max_attempts"):
+        handler(source="shop", name="ledger", max_attempts=value)(lambda event, session: None)
+
+
 def test_an_unimportable_handler_module_is_a_config_error(make_app):
     config = config_with()
     config["handlers"] = ["tests.processing.no_such_module"]

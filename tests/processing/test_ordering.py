@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from webhook_receiver.extensions import db
 from webhook_receiver.models import EntityVersion
 from webhook_receiver.outbox import ordering
@@ -96,3 +100,28 @@ def test_events_without_version_are_applied(make_app, downstream, clock, make_wo
     bare = store_event(app, clock, dedup_key="evt-bare", data={"object": {"id": "cus_1"}})
     assert drain(app, worker) == ["delivered"]
     assert delivery(app, bare, "billing")["state"] == "delivered"
+
+
+@pytest.mark.parametrize(
+    ("entity", "version"),
+    [("cus\u00001", 2), ("cus_1", "v\u00002"), ("cus\ud8001", 2), ("cus_1", "v\udfff")],
+    ids=["nul-entity", "nul-version", "surrogate-entity", "surrogate-version"],
+)
+def test_an_entity_or_version_no_database_can_store_is_applied_unordered(
+    make_app, downstream, clock, make_worker, entity, version
+):
+    # JSON's \u0000 and a lone \ud800 escape are valid in a body, and the
+    # intake stores them (its bytes hold neither). As the delivery's entity
+    # or version, PostgreSQL refuses the NUL and neither database encodes
+    # the surrogate: every attempt raised out of the worker's thread, the
+    # delivery leased until its lease ended, then dead without a call.
+    app = make_app(
+        config_with([forward("billing", downstream.url + "/billing")], ordered=True), **FAST
+    )
+    body = json.dumps(
+        {"type": "order.paid", "data": {"object": {"id": entity, "version": version}}}
+    )
+    event_id = store_event(app, clock, dedup_key="evt-1", body=body.encode())
+    assert drain(app, make_worker(app, clock)) == ["delivered"]
+    assert delivery(app, event_id, "billing")["state"] == "delivered"
+    assert len(downstream.calls_to("/billing")) == 1

@@ -11,6 +11,7 @@ traced, and the stored traceparent still goes onward.
 
 from __future__ import annotations
 
+import io
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -188,6 +189,7 @@ def test_untraced_the_stored_traceparent_still_goes_onward(
         f"00-{TRACE_ID}-0000000000000000-01",
         "not a traceparent",
         f"00-{TRACE_ID.upper()}x-{SENDER_SPAN}-01",
+        f"ff-{TRACE_ID}-{SENDER_SPAN}-01",  # W3C: version ff is invalid
     ],
 )
 def test_an_invalid_traceparent_is_left_out_and_refuses_nothing(make_app, value):
@@ -199,11 +201,15 @@ def test_an_invalid_traceparent_is_left_out_and_refuses_nothing(make_app, value)
         "Idempotency-Key": "k-3",
         "traceparent": value,
     }
-    assert (
-        app.test_client().post(f"/webhooks/{SOURCE}", data=body, headers=headers).status_code == 200
-    )
+    answer = app.test_client().post(f"/webhooks/{SOURCE}", data=body, headers=headers)
+    assert answer.status_code == 200
     with app.app_context():
-        assert "traceparent" not in db.session.scalars(select(Event.meta)).one()
+        event = db.session.scalars(select(Event)).one()
+        assert "traceparent" not in event.meta
+    # Nor is its trace id the correlation id: a forward would carry that
+    # trace onward (tracing.outgoing) as if the traceparent had been valid.
+    assert answer.headers["X-Request-Id"] != TRACE_ID
+    assert event.correlation_id == answer.headers["X-Request-Id"]
 
 
 def test_a_refused_request_has_its_server_span_and_a_probe_has_none(make_app, exporter):
@@ -222,3 +228,48 @@ def test_a_refused_request_has_its_server_span_and_a_probe_has_none(make_app, ex
     exporter.clear()
     assert client.get("/healthz").status_code == 200
     assert exporter.get_finished_spans() == ()
+
+
+def test_a_chunked_body_refused_before_any_view_has_its_server_span(make_app, exporter):
+    # problems.py reads a chunked body in the app's first before_request and
+    # refuses one over the limit there; the server span started in a later
+    # one, so the 413 went untraced, the sender's trace ending at our door.
+    app = make_app(config_with(), MAX_BODY_BYTES=1024, OTEL_TRACER_PROVIDER=_provider(exporter))
+    answer = app.test_client().post(
+        f"/webhooks/{SOURCE}",
+        input_stream=io.BytesIO(b"x" * 4096),
+        headers={"Transfer-Encoding": "chunked", "traceparent": TRACEPARENT},
+        # What a server sets when it has undone the chunks (gunicorn does).
+        environ_overrides={"wsgi.input_terminated": True},
+    )
+    assert answer.status_code == 413
+    (server,) = exporter.get_finished_spans()
+    assert server.kind.name == "SERVER"
+    assert _parent_of(server) == SENDER_SPAN
+    assert server.attributes is not None
+    assert server.attributes["http.response.status_code"] == 413
+    assert server.attributes["http.route"] == "/webhooks/<source_name>"
+
+
+def test_a_method_of_the_clients_own_does_not_name_the_server_span(make_app, exporter):
+    # Span names are indexed by tracing back ends (an operation each): a name
+    # made of any token a client sends as its method grows without bound.
+    # HTTP's semantic conventions name such a span "HTTP" and set the method
+    # "_OTHER", the token as sent in http.request.method_original.
+    app = make_app(config_with(), OTEL_TRACER_PROVIDER=_provider(exporter))
+    client = app.test_client()
+    for method in ("BREW", "X-RANDOM-1F3A"):
+        assert client.open(f"/webhooks/{SOURCE}", method=method).status_code == 405
+    spans = exporter.get_finished_spans()
+    assert [span.name for span in spans] == ["HTTP", "HTTP"]
+    assert [span.attributes["http.request.method"] for span in spans] == ["_OTHER"] * 2
+    assert [span.attributes["http.request.method_original"] for span in spans] == [
+        "BREW",
+        "X-RANDOM-1F3A",
+    ]
+    exporter.clear()
+    assert client.get("/no/such/page").status_code == 404
+    (known,) = exporter.get_finished_spans()
+    assert known.name == "GET"
+    assert known.attributes["http.request.method"] == "GET"
+    assert "http.request.method_original" not in known.attributes

@@ -78,10 +78,10 @@ def partner(key: str, t: int) -> Delivery:
 def paddle(key: str, t: int) -> Delivery:
     body = json.dumps(
         {
-            "event_id": "evt_" + key,
+            "event_id": key,
             "event_type": "transaction.completed",
             "occurred_at": "2023-08-21T11:57:47.390028Z",
-            "notification_id": key,
+            "notification_id": "ntf_" + key.removeprefix("evt_"),
             "data": {"id": "txn_01h8bzakzx3hm2fmen703n5q45"},
         }
     )
@@ -154,7 +154,7 @@ def zoom(key: str, t: int) -> Delivery:
 EXAMPLES: dict[str, tuple[Callable[[str, int], Delivery], str, str, str | None]] = {
     # name: (signer, dedup key, stored type, the header carrying a signed timestamp)
     "partner": (partner, "evt_1", "partner.thing", "X-Timestamp"),
-    "paddle": (paddle, "ntf_01h8bzam1z32agrxjwhjgqk8w6", "transaction.completed", "Paddle"),
+    "paddle": (paddle, "evt_01h8bzakzx3hm2fmen703n5q45", "transaction.completed", "Paddle"),
     "linear": (linear, LINEAR["headers"]["Linear-Delivery"], "Issue", None),
     "intercom": (
         intercom,

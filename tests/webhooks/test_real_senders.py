@@ -175,6 +175,37 @@ def test_slack_callback_without_event_id_must_still_be_signed(app):
     assert count(app, Rejection) == 1
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # Interactivity (a button pressed): the JSON in a payload field.
+        {"payload": json.dumps({"type": "block_actions", "trigger_id": "1.2.a"})},
+        # A slash command: the fields themselves.
+        {"command": "/deploy", "text": "prod", "trigger_id": "1.2.b"},
+    ],
+)
+def test_slack_form_requests_are_refused_saying_what_they_are(app, fields):
+    # Slack signs interactivity and slash commands as it does events, but sends
+    # them form-encoded, with no event_id, and waits for an answer of their own:
+    # the preset receives Events API requests only, and the refusal says so.
+    body = urlencode(fields).encode()
+    _, headers = s.slack_delivery({})
+    stamp = headers["X-Slack-Request-Timestamp"]
+    headers["X-Slack-Signature"] = s.slack_signature(body, s.SLACK_SECRET, stamp)
+    headers["Content-Type"] = "application/x-www-form-urlencoded"
+    response = app.test_client().post("/webhooks/slack", data=body, headers=headers)
+    assert response.status_code == 400
+    assert response.json["type"] == "/problems/payload-invalid"
+    assert "interactivity" in response.json["detail"]
+    assert "Events API" in response.json["detail"]
+    assert count(app, Event) == 0
+    assert [r.reason for r in rows(app, Rejection)] == ["refused-payload-invalid"]
+    # Unsigned, it is a forgery like any other.
+    headers["X-Slack-Signature"] = "v0=" + "0" * 64
+    response = app.test_client().post("/webhooks/slack", data=body, headers=headers)
+    assert response.status_code == 401
+
+
 # CloudEvents
 
 
@@ -188,8 +219,10 @@ def test_cloudevents_validation_handshake(app):
     assert response.headers["WebHook-Allowed-Origin"] == "eventgrid.azure.net"
     assert response.headers["WebHook-Allowed-Rate"] == "*"
     assert response.headers["Allow"] == "POST, OPTIONS"
+    # Allowing delivery, the answer carries both headers, a rate asked for or not (4.2).
     no_rate = client.options("/webhooks/ce", headers={"WebHook-Request-Origin": "a.example"})
-    assert "WebHook-Allowed-Rate" not in no_rate.headers
+    assert no_rate.headers["WebHook-Allowed-Origin"] == "a.example"
+    assert no_rate.headers["WebHook-Allowed-Rate"] == "*"
     assert count(app, Event) == 0
 
 

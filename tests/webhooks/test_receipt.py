@@ -82,6 +82,28 @@ def test_stripe_retry_resigned_later_is_a_duplicate(app, client):
     assert [d.event_id for d in rows(app, EventDuplicate)] == [event.id, event.id]
 
 
+def test_stripe_retry_after_another_endpoint_acknowledged_is_a_duplicate(app, client):
+    # pending_webhooks is the event's count of endpoints Stripe has yet to
+    # deliver it to, written into each attempt: once another endpoint of the
+    # account acknowledged it, the retry to this one carries a lower number.
+    first = post_webhook(
+        client, "stripe-live", *s.stripe_delivery({**STRIPE_EVENT, "pending_webhooks": 2})
+    )
+    assert first.status_code == 200
+    retry = post_webhook(
+        client, "stripe-live", *s.stripe_delivery({**STRIPE_EVENT, "pending_webhooks": 1})
+    )
+    assert retry.status_code == 200, retry.get_json()
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_json() == first.get_json()
+    (event,) = rows(app, Event)
+    assert (event.duplicate_count, json.loads(event.body)["pending_webhooks"]) == (1, 2)
+    assert count(app, EventConflict) == 0
+    # Only the envelope's count is left out: the same name in the object is content.
+    changed = {**STRIPE_EVENT, "data": {"object": {"id": "in_1", "pending_webhooks": 1}}}
+    assert post_webhook(client, "stripe-live", *s.stripe_delivery(changed)).status_code == 422
+
+
 def test_same_key_different_content_is_422_and_kept(app, client, caplog):
     post_webhook(client, "stripe-live", *s.stripe_delivery(STRIPE_EVENT))
     changed = {**STRIPE_EVENT, "data": {"object": {"id": "in_2"}}}
@@ -204,6 +226,23 @@ def test_missing_event_id_is_400(app, client):
     assert response.get_json()["type"] == "/problems/dedup-key-missing"
 
 
+def test_an_authentic_delivery_refused_for_what_it_holds_is_logged(app, client, caplog):
+    # Its sender retries the same delivery, refused each time: only a bad
+    # signature was logged, so an operator saw nothing of these.
+    body, headers = s.stripe_delivery({"type": "x"})
+    caplog.set_level("WARNING", "webhook_receiver")
+    response = post_webhook(
+        client, "stripe-live", body, {**headers, "X-Request-Id": "req-refused-1"}
+    )
+    assert response.status_code == 400
+    [record] = [r for r in caplog.records if getattr(r, "outcome", "").startswith("refused_")]
+    assert record.levelname == "WARNING"
+    assert record.outcome == "refused_dedup-key-missing"
+    assert record.source == "stripe-live"
+    assert record.correlation_id == "req-refused-1"
+    assert count(app, Event) == 0
+
+
 def test_github_delivery_keyed_by_delivery_header(app, client):
     body, headers = s.github_delivery({"action": "opened", "number": 1}, "d-1", "issues")
     assert post_webhook(client, "github", body, headers).status_code == 200
@@ -257,6 +296,36 @@ def test_slack_challenge_answered_and_not_stored(app, client):
     assert post_webhook(client, "slack", *s.slack_delivery(event)).status_code == 200
     (stored,) = rows(app, Event)
     assert (stored.dedup_key, stored.event_type) == ("Ev1", "app_mention")
+
+
+PADDLE_EVENT = {
+    "event_id": "evt_01h8bzakzx3hm2fmen703n5q45",
+    "event_type": "transaction.completed",
+    "occurred_at": "2023-08-21T11:57:47.390028Z",
+    "notification_id": "ntf_01h8bzam1z32agrxjwhjgqk8w6",
+    "data": {"id": "txn_01h8bzakzx3hm2fmen703n5q45", "status": "completed"},
+}
+
+
+def test_paddle_replayed_notification_is_a_duplicate(app, client):
+    # Replaying a delivered or failed notification (POST /notifications/{id}/replay)
+    # makes a new notification, with a notification_id of its own, for the
+    # same event_id: Paddle's advice is to deduplicate on event_id.
+    first = post_webhook(client, "paddle", *s.paddle_delivery(PADDLE_EVENT))
+    assert first.status_code == 200
+    replay = {**PADDLE_EVENT, "notification_id": "ntf_01h8c0replay0000000000000000"}
+    again = post_webhook(client, "paddle", *s.paddle_delivery(replay))
+    assert again.status_code == 200, again.get_json()
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.get_json() == first.get_json()
+    (event,) = rows(app, Event)
+    assert event.dedup_key == PADDLE_EVENT["event_id"]
+    assert event.meta["paddle_notification_id"] == PADDLE_EVENT["notification_id"]
+    assert json.loads(event.body)["notification_id"] == PADDLE_EVENT["notification_id"]
+    assert (event.duplicate_count, count(app, EventConflict)) == (1, 0)
+    # Other content under the same event id is still a conflict.
+    changed = {**replay, "data": {**PADDLE_EVENT["data"], "status": "billed"}}
+    assert post_webhook(client, "paddle", *s.paddle_delivery(changed)).status_code == 422
 
 
 def test_gitlab_token_and_idempotency_key(app, client):
@@ -377,4 +446,8 @@ def test_a_dedup_key_header_sent_twice_is_400_and_stores_nothing(app, source, he
     assert response.status_code == 400, response.get_data(as_text=True)
     assert response.get_json()["type"] == "/problems/payload-invalid"
     assert "more than once" in response.get_json()["detail"]
-    assert count(app, Event) == count(app, Rejection) == 0
+    assert count(app, Event) == 0
+    # Listed as refused once its signature passed, or as unreadable when
+    # refused before it could be checked (webhook-id); never as a forgery.
+    expected = "unreadable" if header == "webhook-id" else "refused-payload-invalid"
+    assert {r.reason for r in rows(app, Rejection)} == {expected}

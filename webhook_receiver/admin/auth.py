@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from datetime import datetime, timedelta
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from flask import current_app, g, request, session
 
@@ -88,6 +89,14 @@ def log_out() -> None:
     g.admin_logged_in = False
 
 
+def log_out_everywhere() -> None:
+    """End every open admin session, this one included: every browser must log in again."""
+    with unit_of_work():
+        logins.close_every_admin_session()
+    session.clear()
+    g.admin_logged_in = False
+
+
 def is_logged_in() -> bool:
     """Tell whether this request's session is a live admin session."""
     # Asked by the guard and by every template: the database is read once.
@@ -111,8 +120,21 @@ def _session_is_live() -> bool:
 
 
 def remote_addr() -> str:
-    """The address the throttle counts against."""
-    return (request.remote_addr or "unknown")[:100]
+    """The address the throttle counts against: an IPv4 address, or an IPv6 address's /64.
+
+    One subscriber, one cloud machine, is given a whole IPv6 /64: counted
+    address by address, each of its 2**64 addresses had its own tries.
+    """
+    raw = request.remote_addr or "unknown"
+    try:
+        address = ipaddress.ip_address(raw)
+    except ValueError:
+        return raw[:100]  # not an IP address (a Unix socket): counted as it is
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)  # a dual-stack listener's IPv4 client
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _window() -> timedelta:
@@ -158,5 +180,8 @@ def safe_next(target: str | None) -> str | None:
     if parts.scheme or parts.netloc or target.startswith("//"):
         return None
     if parts.path != "/admin" and not parts.path.startswith("/admin/"):
+        return None
+    # A browser resolves "." and ".." (%2e%2e too): /admin/../api is /api.
+    if any(unquote(segment) in (".", "..") for segment in parts.path.split("/")):
         return None
     return target

@@ -5,6 +5,8 @@ state-changing request must carry a valid CSRF token (400 otherwise, before
 any view runs); every page but the login form needs a logged-in session;
 no query or form field may hold a NUL (400).
 Every response carries a strict Content-Security-Policy and is not cached.
+A database that is away is an HTML page too (503), not the machine
+surfaces' problem+json.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from flask import (
     Response,
     abort,
     current_app,
+    g,
     redirect,
     render_template,
     request,
@@ -23,10 +26,13 @@ from flask import (
 )
 from flask.typing import ResponseReturnValue
 from flask_wtf.csrf import CSRFError
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import HTTP_STATUS_CODES
 
-from ..extensions import csrf
+from ..extensions import csrf, db
 from . import auth, paging, presenters
 
 PREFIX = "/admin"
@@ -158,11 +164,62 @@ for _code in (400, 403, 404, 405, 429):
     bp.register_error_handler(_code, _error_page)
 
 
+PROBLEM_JSON = "application/problem+json"
+
+
+@bp.after_request
+def problems_as_pages(response: Response) -> Response:
+    """Show a problem the app's handlers answered (the database away: 503) as an admin page.
+
+    problems.py tells an outage (503, Retry-After) from a bug (500) and logs
+    it; an operator's browser gets that verdict as a page, not as JSON.
+    """
+    if response.mimetype != PROBLEM_JSON:
+        return response
+    problem = response.get_json(silent=True) or {}
+    message = str(problem.get("title") or "The request failed")
+    if problem.get("detail"):
+        message += f": {problem['detail']}"
+    message += "."
+    if response.status_code == 503:
+        message += " Try again in a moment."
+    # Unknown if the session check itself failed: asking the database again
+    # would wait out a second connection timeout for the menu alone.
+    g.setdefault("admin_logged_in", False)
+    page = render_template(
+        "admin/error.html",
+        code=response.status_code,
+        name=HTTP_STATUS_CODES.get(response.status_code, "Error"),
+        message=message,
+    )
+    html = Response(page, status=response.status_code, mimetype="text/html")
+    if "Retry-After" in response.headers:
+        html.headers["Retry-After"] = response.headers["Retry-After"]
+    return html
+
+
 @bp.context_processor
 def helpers() -> dict[str, object]:
     """Formatting helpers and the login state for every admin template."""
     return {
         "utc": presenters.utc,
         "local_input": presenters.local_input,
-        "logged_in": auth.is_logged_in(),
+        "logged_in": _logged_in_if_known(),
     }
+
+
+def _logged_in_if_known() -> bool:
+    """Whether to show the menu; False when the database cannot say.
+
+    Every page but an error page has asked already (the guard). An error
+    page, such as a refused CSRF token or the database away, must render
+    without the database: asking it again there failed the error page itself.
+    """
+    if "admin_logged_in" in g:
+        return bool(g.admin_logged_in)
+    try:
+        return auth.is_logged_in()
+    except (DBAPIError, PoolTimeout):
+        db.session.rollback()
+        g.admin_logged_in = False
+        return False

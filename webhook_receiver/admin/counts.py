@@ -14,6 +14,7 @@ from sqlalchemy import Select, func, select
 from ..extensions import db
 from ..models import Delivery, Event, EventConflict, EventDuplicate, Rejection
 from ..outbox import deliveries as delivery_states
+from .presenters import WEBHOOK_REFUSALS
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Counts:
     received: int
     duplicates: int
     conflicts: int
-    rejections: int
+    rejections: int  # webhook deliveries refused for their signature or timestamp
     delivered: int
     dead: int
     discarded: int
@@ -36,6 +37,8 @@ def _count(stmt: Select[*tuple[Any, ...]]) -> int:
 def counts_since(since: datetime) -> Counts:
     """Count events, duplicates, conflicts, rejections and finished deliveries since ``since``.
 
+    Rejections count only refused webhook deliveries (the overview's
+    signature failures), not the broker messages dead-lettered beside them.
     Deliveries count by when they finished: delivered and discarded ones by
     ``completed_at``, dead ones by when they died (``updated_at``).
     """
@@ -45,7 +48,9 @@ def counts_since(since: datetime) -> Counts:
         duplicates=_count(select(func.count()).where(EventDuplicate.received_at >= since)),
         conflicts=_count(select(func.count()).where(EventConflict.received_at >= since)),
         rejections=_count(
-            select(func.sum(Rejection.seen_count)).where(Rejection.received_at >= since)
+            select(func.sum(Rejection.seen_count)).where(
+                Rejection.received_at >= since, Rejection.reason.in_(sorted(WEBHOOK_REFUSALS))
+            )
         ),
         delivered=_count(
             select(func.count()).where(

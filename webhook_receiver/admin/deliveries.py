@@ -25,7 +25,16 @@ from ..outbox.replays import Filter
 from ..processing import replay
 from . import delivery_queries, paging, presenters
 from .blueprint import bp
-from .views import _cursors, _page_size, _plural, _render_list, _sources
+from .views import (
+    _cursors,
+    _page_size,
+    _plural,
+    _render_list,
+    _sources,
+    check_consumer,
+    check_event_type,
+    check_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,9 @@ def _filter(args: MultiDict[str, str]) -> tuple[Filter, int | None, list[str]]:
         since=since,
         until=until,
     )
+    check_consumer(flt.consumer, errors)
+    check_source(flt.source, errors)
+    check_event_type(flt.event_type, errors)
     return flt, limit, errors
 
 
@@ -74,13 +86,16 @@ def _actor() -> str:
 
 
 @bp.get("/deliveries")
-def deliveries() -> str:
+def deliveries() -> ResponseReturnValue:
     """List deliveries, newest event first, filtered and paged by keyset."""
     flt, limit, errors = _filter(request.args)
     if errors:
-        page = paging.Page([])
-    else:
-        page = delivery_queries.list_deliveries(flt, limit=_page_size(), **_cursors())
+        return _refused(flt, limit, errors)
+    page = delivery_queries.list_deliveries(flt, limit=_page_size(), **_cursors())
+    return _list_page(page, flt, limit, errors)
+
+
+def _list_page(page: paging.Page, flt: Filter, limit: int | None, errors: list[str]) -> str:
     return _render_list(
         "admin/deliveries.html",
         page,
@@ -94,14 +109,19 @@ def deliveries() -> str:
     )
 
 
+def _refused(flt: Filter, limit: int | None, errors: list[str]) -> ResponseReturnValue:
+    """The Deliveries page, empty, saying what is wrong with its filter (400)."""
+    return _list_page(paging.Page([]), flt, limit, errors), 400
+
+
 @bp.get("/deliveries/replay")
 def replay_preview() -> ResponseReturnValue:
     """Show how many deliveries a bulk replay by this filter takes, to confirm it."""
     flt, limit, errors = _filter(request.args)
     if errors:
-        for error in errors:
-            flash(error, "error")
-        return redirect(url_for("admin.deliveries"))
+        # The filter's form, saying what to fix: sent back to an unfiltered
+        # list, an operator could take it for what the filter matched.
+        return _refused(flt, limit, errors)
     return _confirmation(flt, limit)
 
 
@@ -169,7 +189,8 @@ def replay_event(event_id: int) -> ResponseReturnValue:
             event_id, consumer, actor=_actor(), via=replays.VIA_ADMIN, new_key=new_key
         )
     except replay.ReplayError as exc:
-        if "no event" in str(exc):
+        # The whole message: the other one quotes the consumer asked for.
+        if str(exc) == f"no event {event_id}":
             abort(404, "No such event.")
         flash(f"Nothing was replayed: {exc}.", "warning")
         return redirect(url_for("admin.event", event_id=event_id))

@@ -75,3 +75,9 @@ def admin_session_is_open(token_hash: str, now: datetime) -> bool:
 def close_admin_session(token_hash: str) -> None:
     """Forget one session, so that its cookie opens nothing any more; the caller commits."""
     db.session.execute(delete(AdminSession).where(AdminSession.token_hash == token_hash))
+
+
+def close_every_admin_session() -> int:
+    """Forget every open session (log out everywhere); how many. The caller commits."""
+    result = db.session.execute(delete(AdminSession))
+    return int(getattr(result, "rowcount", 0) or 0)

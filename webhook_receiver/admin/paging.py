@@ -78,7 +78,9 @@ def keyset_page(
 
     ``before`` asks for the rows older than a cursor, ``after`` for the rows
     newer than it (read ascending, then turned round). One extra row is read
-    to know whether there is a further page. ``row_key(row)`` gives a row's
+    to know whether there is a further page. A cursor names the row at the
+    edge of the page it came from, left out of the next; an empty page's
+    links take that row in again. ``row_key(row)`` gives a row's
     (at, id); by default the row's attributes named like the columns.
     """
     key = tuple_(at_col, id_col)
@@ -102,7 +104,9 @@ def keyset_page(
         more = len(rows) > limit
         rows = rows[:limit][::-1]
         if not rows:
-            return Page([], None, after)
+            # Nothing newer is left (rows were requeued, purged): the older
+            # link starts at the cursor's own row, which no other page shows.
+            return Page([], None, Cursor(after.at, min(after.id + 1, MAX_ID)))
         return Page(rows, position(rows[0]) if more else None, position(rows[-1]))
 
     if before is not None:
@@ -113,6 +117,7 @@ def keyset_page(
     more = len(rows) > limit
     rows = rows[:limit]
     if not rows:
-        return Page([], before, None)
+        # As above: the newer link starts at the cursor's own row.
+        return Page([], None if before is None else Cursor(before.at, max(before.id - 1, 0)), None)
     newer = position(rows[0]) if before is not None else None
     return Page(rows, newer, position(rows[-1]) if more else None)

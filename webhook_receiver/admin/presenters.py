@@ -330,7 +330,13 @@ def utc(moment: datetime | None) -> str:
     """Format an aware datetime in UTC to the second, or a dash."""
     if moment is None:
         return "—"
-    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return _iso(moment, "seconds")
+
+
+def _iso(moment: datetime, timespec: str) -> str:
+    # Not strftime: its %Y leaves years before 1000 unpadded ("1-01-01"),
+    # which a time field then refuses.
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(" ", timespec)
 
 
 def filter_fields(
@@ -347,11 +353,18 @@ def filter_fields(
         except ValueError:
             errors.append(f"“{args.get(name)}” is not a date and time (use YYYY-MM-DDTHH:MM, UTC).")
             times[name] = None
+    since, until = times["since"], times["until"]
+    if since is not None and until is not None and since > until:
+        # No row is in a range that ends before it starts: an empty list would mislead.
+        errors.append(
+            f"“From” ({args.get('since', '').strip()}) is after “Until” "
+            f"({args.get('until', '').strip()}): swap them."
+        )
     state = args.get("state", "")
     if state and state not in states:
-        errors.append(f"Unknown state “{state}”.")
+        errors.append(f"Unknown state “{state}”: choose one of {', '.join(states)}.")
         state = ""
-    return times["since"], times["until"], state
+    return since, until, state
 
 
 def parse_utc(raw: str) -> datetime | None:
@@ -367,13 +380,23 @@ def parse_utc(raw: str) -> datetime | None:
         return moment.replace(tzinfo=UTC)
     try:
         return moment.astimezone(UTC)
-    except OverflowError as exc:  # 0001-01-01T00:00+01:00 is before the year 1 in UTC
-        raise ValueError(f"not a date and time in range: {raw!r}") from exc
+    except OverflowError:
+        # 0001-01-01T00:00+01:00 is before the year 1 in UTC, 9999-12-31T23:59-01:00
+        # after 9999: a bound past every stored time, taken as the first or last there is.
+        return (datetime.min if moment.year == 1 else datetime.max).replace(tzinfo=UTC)
 
 
 def local_input(moment: datetime | None) -> str:
-    """Format a datetime for a time field, as ISO 8601 in UTC (``YYYY-MM-DD HH:MM``)."""
-    return "" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+    """Format a datetime for a time field, as ISO 8601 in UTC (``YYYY-MM-DD HH:MM``).
+
+    Seconds and microseconds are kept when there are any: the filter goes
+    back as it came (a bulk replay's confirmation carries it), not widened.
+    """
+    if moment is None:
+        return ""
+    if moment.microsecond:
+        return _iso(moment, "microseconds")
+    return _iso(moment, "seconds" if moment.second else "minutes")
 
 
 # -- intakes -----------------------------------------------------------------
@@ -387,12 +410,20 @@ BROKER_NAMES = {
     "redis": "Redis Streams",
     "mqtt": "MQTT",
 }
-# What refused a webhook delivery (webhooks/receipt.py); any other reason is
-# a broker message dead-lettered without being stored (brokers/batch.py).
-WEBHOOK_REFUSALS = frozenset({"signature", "timestamp"})
+# What refused an unauthentic webhook delivery (webhooks/receipt.py; its
+# sender unknown when unreadable before the check): the overview's signature
+# failures. A signed delivery refused for its content is listed as
+# refused-<problem>; any other reason is a broker message dead-lettered
+# without being stored (brokers/batch.py).
+WEBHOOK_REFUSALS = frozenset({"signature", "timestamp", "unreadable"})
+REFUSED_PREFIX = "refused-"
 REJECTION_REASONS = {
     "signature": "no secret verified the signature",
     "timestamp": "signed time outside the tolerance",
+    "unreadable": "refused before its signature could be checked",
+    "refused-dedup-key-missing": "signed, but no dedup key could be found in it",
+    "refused-payload-invalid": "signed, but its body or a value in it cannot be read or stored",
+    "refused-unsupported-media-type": "signed, but its Content-Type is missing or cannot be stored",
     "dedup-key-missing": "no dedup key: dead-lettered",
     "payload-invalid": "body or key its specs cannot read: dead-lettered",
     "message-malformed": "malformed message: dead-lettered",
@@ -418,7 +449,8 @@ def intake(source: str, brokers: Mapping[str, str], broker: object = None) -> st
 def rejection_intake(source: str, reason: str, brokers: Mapping[str, str]) -> str:
     """Name the intake of a refused delivery or dead-lettered broker message."""
     # A broker source since removed from the config is known by its reason.
-    return intake(source, brokers, None if reason in WEBHOOK_REFUSALS else "broker")
+    webhook = reason in WEBHOOK_REFUSALS or reason.startswith(REFUSED_PREFIX)
+    return intake(source, brokers, None if webhook else "broker")
 
 
 def idempotency_key(source: str, meta: object) -> str | None:

@@ -333,3 +333,37 @@ def list_rejections(
     return keyset_page(
         stmt, Rejection.received_at, Rejection.id, limit=limit, before=before, after=after
     )
+
+
+# -- filter values -------------------------------------------------------------
+# A filter naming a source, consumer or client that nothing has is a typo:
+# answered 400, not an empty list the operator would believe. One that the
+# configuration no longer names but stored rows still have (a source or
+# consumer since removed) is found, by an indexed lookup but for consumers.
+
+
+def source_is_stored(source: str, *, rejections: bool = False) -> bool:
+    """Whether an event (or, with ``rejections``, a refusal) has this source."""
+    table = Rejection if rejections else Event
+    return _any(select(table.id).where(table.source == source))
+
+
+def event_type_is_stored(event_type: str) -> bool:
+    """Whether any event has this type (unindexed: a type no event has reads them all, as
+    the list filtered by it does anyway)."""
+    return _any(select(Event.id).where(Event.event_type == event_type))
+
+
+def consumer_is_stored(consumer: str) -> bool:
+    """Whether any delivery is to this consumer (a scan: asked only for an unconfigured name)."""
+    return _any(select(Delivery.id).where(Delivery.consumer == consumer))
+
+
+def client_is_stored(client: str) -> bool:
+    """Whether any Idempotency-Key record is this client's."""
+    r = IdempotencyRecord
+    return _any(select(r.id).where(r.client == client))
+
+
+def _any(stmt: Any) -> bool:
+    return db.session.execute(stmt.limit(1)).first() is not None

@@ -25,6 +25,7 @@ from ..idempotency.persistence import records
 from ..models import utcnow
 from ..observability import metrics
 from ..outbox import deliveries
+from ..processing import registry
 from . import (
     auth,
     conflict_reviews,
@@ -40,12 +41,13 @@ from .blueprint import bp
 log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 500
 REVIEW_NOTE_MAX = 2000
 
 
 def _page_size() -> int:
     size = int(current_app.config.get("ADMIN_PAGE_SIZE", DEFAULT_PAGE_SIZE))
-    return max(1, min(size, 500))
+    return max(1, min(size, MAX_PAGE_SIZE))
 
 
 def _cursors() -> dict[str, paging.Cursor | None]:
@@ -103,6 +105,42 @@ def _sources() -> list[str]:
     return names + [f"api:{name}" for name in sorted(config.clients)]
 
 
+# A list's filters that name nothing are refused (400, the list's page with
+# what is wrong), never answered with an empty or unfiltered list that an
+# operator who mistyped would believe.
+
+
+def check_source(source: str, errors: list[str], *, rejections: bool = False) -> None:
+    """Say so in ``errors`` when ``source`` is neither configured nor on any stored row."""
+    if source and source not in _sources():
+        if not queries.source_is_stored(source, rejections=rejections):
+            kept = "refusal" if rejections else "event"
+            errors.append(
+                f"Unknown source “{source}”: no source of that name is configured, "
+                f"and no {kept} has it."
+            )
+
+
+def check_event_type(event_type: str, errors: list[str]) -> None:
+    """Say so in ``errors`` when no event has ``event_type`` (types are not configured)."""
+    if event_type and not queries.event_type_is_stored(event_type):
+        errors.append(f"Unknown event type “{event_type}”: no event has it.")
+
+
+def check_consumer(consumer: str, errors: list[str]) -> None:
+    """Say so in ``errors`` when ``consumer`` is neither configured nor on any delivery."""
+    configured = {name for named in registry.get().consumers.values() for name in named}
+    if consumer and consumer not in configured and not queries.consumer_is_stored(consumer):
+        errors.append(
+            f"Unknown consumer “{consumer}”: no consumer of that name is configured, "
+            "and no delivery is to one."
+        )
+
+
+def _status(errors: list[str]) -> int:
+    return 400 if errors else 200
+
+
 # -- session -----------------------------------------------------------------
 
 
@@ -132,9 +170,13 @@ def login() -> Any:
 
 @bp.post("/logout")
 def logout() -> ResponseReturnValue:
-    """End the session."""
-    auth.log_out()
-    flash("You are logged out.")
+    """End the session, or every open session (a cookie left in another browser)."""
+    if request.form.get("everywhere") == "yes":
+        auth.log_out_everywhere()
+        flash("You are logged out, and so is every session of every browser.")
+    else:
+        auth.log_out()
+        flash("You are logged out.")
     return redirect(url_for("admin.login"))
 
 
@@ -183,11 +225,13 @@ def _event_filters() -> tuple[queries.EventFilters, list[str]]:
         until=until,
         q=args.get("q", "").strip(),
     )
+    check_source(filters.source, errors)
+    check_event_type(filters.event_type, errors)
     return filters, errors
 
 
 @bp.get("/events")
-def events() -> str:
+def events() -> ResponseReturnValue:
     """List events, newest first, filtered and paged by keyset."""
     filters, errors = _event_filters()
     if errors:
@@ -203,7 +247,7 @@ def events() -> str:
         states={k: presenters.delivery_summary(v) for k, v in states.items()},
         state_choices=queries.EVENT_STATES,
         sources=_sources(),
-    )
+    ), _status(errors)
 
 
 @bp.get("/events/<int:event_id>")
@@ -240,7 +284,12 @@ def _chosen_ids() -> list[int]:
     chosen = [raw.strip() for raw in raw_ids if raw.strip()]
     if not all(paging.is_row_id(raw) for raw in chosen):
         abort(400, "Delivery ids must be numbers.")
-    return sorted({int(raw) for raw in chosen})
+    ids = sorted({int(raw) for raw in chosen})
+    # No page offers more; a form posted by hand with more took the database
+    # past its limit of parameters in one statement.
+    if len(ids) > MAX_PAGE_SIZE:
+        abort(400, f"Choose at most {MAX_PAGE_SIZE} deliveries at once; nothing was changed.")
+    return ids
 
 
 def _action_form() -> tuple[list[int], str]:
@@ -331,41 +380,61 @@ def discard() -> ResponseReturnValue:
 
 
 @bp.get("/dead")
-def dead() -> str:
+def dead() -> ResponseReturnValue:
     """List dead deliveries, to requeue or discard one or many."""
     consumer = request.args.get("consumer", "").strip()
-    page = queries.list_dead(limit=_page_size(), consumer=consumer, **_cursors())
+    errors: list[str] = []
+    check_consumer(consumer, errors)
+    page = (
+        paging.Page([])
+        if errors
+        else queries.list_dead(limit=_page_size(), consumer=consumer, **_cursors())
+    )
     return _render_list(
         "admin/dead.html",
         page,
         consumer=consumer,
+        errors=errors,
         page_ids=",".join(str(row.id) for row in page.rows),
-    )
+    ), _status(errors)
 
 
 # -- conflicts ---------------------------------------------------------------
 
 
 @bp.get("/conflicts")
-def conflicts() -> str:
+def conflicts() -> ResponseReturnValue:
     """List deliveries that reused a dedup key with different content."""
-    view = request.args.get("view", "unreviewed")
+    view = request.args.get("view") or "unreviewed"
+    errors: list[str] = []
     if view not in conflict_reviews.CONFLICT_VIEWS:
-        view = "unreviewed"
-    page = conflict_reviews.list_conflicts(limit=_page_size(), view=view, **_cursors())
+        errors.append(
+            f"Unknown view “{view}”: choose one of {', '.join(conflict_reviews.CONFLICT_VIEWS)}."
+        )
+    page = (
+        paging.Page([])
+        if errors
+        else conflict_reviews.list_conflicts(limit=_page_size(), view=view, **_cursors())
+    )
     brokers = _broker_providers()
     return _render_list(
         "admin/conflicts.html",
         page,
         view=view,
         views=conflict_reviews.CONFLICT_VIEWS,
+        errors=errors,
         intakes={row.id: presenters.intake(row.source, brokers, row.broker) for row in page.rows},
-    )
+    ), _status(errors)
 
 
 @bp.get("/conflicts/<int:conflict_id>")
 def conflict(conflict_id: int) -> str:
     """Show the original and the conflicting payload side by side."""
+    return _conflict_page(conflict_id)
+
+
+def _conflict_page(conflict_id: int, refused_note: str | None = None) -> str:
+    """The conflict's page; ``refused_note`` is a note not saved, kept in the form to edit."""
     found = conflict_reviews.conflict_with_event(conflict_id)
     if found is None:
         abort(404, "No such conflict.")
@@ -390,19 +459,27 @@ def conflict(conflict_id: int) -> str:
         max_lines=presenters.MAX_DIFF_LINES,
         max_kb=presenters.MAX_DIFF_BYTES // 1024,
         note_max=REVIEW_NOTE_MAX,
+        review_version=conflict_reviews.review_version(item),
+        refused_note=refused_note,
     )
 
 
 @bp.post("/conflicts/<int:conflict_id>/review")
 def review(conflict_id: int) -> ResponseReturnValue:
-    """Mark a conflict reviewed, with the operator's note."""
+    """Mark a conflict reviewed, with the operator's note, unless another review came first."""
     note = request.form.get("note", "").strip()
     if len(note) > REVIEW_NOTE_MAX:
         abort(400, f"The note is longer than {REVIEW_NOTE_MAX} characters.")
+    try:
+        seen = conflict_reviews.parse_review_version(request.form.get("reviewed"))
+    except ValueError:
+        abort(400, "The review form is not valid; reload the page and try again.")
     with unit_of_work():
-        found = conflict_reviews.review_conflict(conflict_id, note, utcnow())
-    if not found:
-        abort(404, "No such conflict.")
+        saved = conflict_reviews.review_conflict(conflict_id, note, utcnow(), seen)
+    if not saved:
+        # Missing (404 from the page), or reviewed by someone else meanwhile:
+        # the page shows their review, and this note in the form to edit.
+        return _conflict_page(conflict_id, refused_note=note), 409
     flash("Marked as reviewed.", "success")
     return redirect(url_for("admin.conflict", conflict_id=conflict_id))
 
@@ -411,16 +488,25 @@ def review(conflict_id: int) -> ResponseReturnValue:
 
 
 @bp.get("/idempotency")
-def idempotency() -> str:
+def idempotency() -> ResponseReturnValue:
     """List Idempotency-Key records per client, with their state and expiry."""
     client = request.args.get("client", "").strip()
     state = request.args.get("state", "")
-    if state not in queries.KEY_STATES:
-        state = ""
     key = request.args.get("key", "").strip()
+    errors: list[str] = []
+    if state and state not in queries.KEY_STATES:
+        errors.append(f"Unknown state “{state}”: choose one of {', '.join(queries.KEY_STATES)}.")
+    if client and client not in _file_config().clients and not queries.client_is_stored(client):
+        errors.append(
+            f"Unknown client “{client}”: no client of that name is configured, and no key is one's."
+        )
     now = utcnow()
-    page = queries.list_idempotency_records(
-        limit=_page_size(), now=now, client=client, state=state, key=key, **_cursors()
+    page = (
+        paging.Page([])
+        if errors
+        else queries.list_idempotency_records(
+            limit=_page_size(), now=now, client=client, state=state, key=key, **_cursors()
+        )
     )
     return _render_list(
         "admin/idempotency.html",
@@ -429,18 +515,28 @@ def idempotency() -> str:
         state=state,
         key=key,
         now=now,
+        # Offered an Evict button: all but those the engine would keep.
+        running={row.id for row in page.rows if records.is_running(row, now)},
+        errors=errors,
         clients=sorted(_file_config().clients),
         key_states=queries.KEY_STATES,
-    )
+    ), _status(errors)
 
 
 @bp.post("/idempotency/<int:record_id>/evict")
 def evict(record_id: int) -> ResponseReturnValue:
-    """Delete one Idempotency-Key record, so that the key may be used afresh."""
+    """Delete one Idempotency-Key record, so that the key may be used afresh; not while it runs."""
+    # The rule (never a running request's record) is the engine's own.
     with unit_of_work():
-        evicted = records.evict(record_id)
-    if evicted:
+        outcome = records.evict(record_id, utcnow())
+    if outcome == records.EVICTED:
         flash("Evicted the key: its next request runs afresh.", "success")
+    elif outcome == records.RUNNING:
+        flash(
+            "Not evicted: its request is still running, and a retry would run it a second "
+            "time. Evict it once it has completed, or once its lease has run out (abandoned).",
+            "warning",
+        )
     else:
         flash("That key was already gone.", "warning")
     return redirect(auth.safe_next(request.form.get("next")) or url_for("admin.idempotency"))
@@ -450,22 +546,29 @@ def evict(record_id: int) -> ResponseReturnValue:
 
 
 @bp.get("/rejections")
-def rejections() -> str:
+def rejections() -> ResponseReturnValue:
     """List webhook deliveries refused (signature, timestamp) and broker messages dead-lettered."""
     source = request.args.get("source", "").strip()
-    page = queries.list_rejections(limit=_page_size(), source=source, **_cursors())
+    errors: list[str] = []
+    check_source(source, errors, rejections=True)
+    page = (
+        paging.Page([])
+        if errors
+        else queries.list_rejections(limit=_page_size(), source=source, **_cursors())
+    )
     brokers = _broker_providers()
     return _render_list(
         "admin/rejections.html",
         page,
         source=source,
         sources=_sources(),
+        errors=errors,
         intakes={
             row.id: presenters.rejection_intake(row.source, row.reason, brokers)
             for row in page.rows
         },
         reasons=presenters.REJECTION_REASONS,
-    )
+    ), _status(errors)
 
 
 # -- favicon -----------------------------------------------------------------

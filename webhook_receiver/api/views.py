@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -14,12 +15,31 @@ from ..idempotency import Refused, idempotent
 from ..idempotency.decorator import JSON_BODY
 from ..idempotency.keys import parse_key
 from ..inbox.messages import TYPE_LENGTH, Unstorable
+from ..observability import metrics
+from ..problems import PROBLEM_JSON, PROBLEM_TYPES
 from .auth import require_client
 from .event_records import EventRecords
 
 bp = Blueprint("api", __name__, url_prefix="/api")
 
 _TYPE_RULE = f'"type" must be a non-empty string of at most {TYPE_LENGTH} characters, without NUL'
+
+
+@bp.after_request
+def _count_refusal(response: Response) -> Response:
+    # Read from the answer, not where it was raised: a refusal the
+    # Idempotency-Key engine turns into another answer (a body refused
+    # under a taken key is a 422) is counted once, as answered. A replay
+    # is counted as one, never again as a refusal.
+    if (
+        400 <= response.status_code < 500
+        and response.mimetype == PROBLEM_JSON
+        and "Idempotent-Replayed" not in response.headers
+    ):
+        slug = str(json.loads(response.get_data()).get("type", "")).removeprefix("/problems/")
+        if slug in PROBLEM_TYPES:  # a bounded label
+            metrics.api_refusal(g.get("client"), slug)
+    return response
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -47,7 +67,7 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
     # and the client may send the corrected request under the same key.
     body = request.get_data(cache=True)
     if not is_json_type(request.content_type):
-        raise Refused("invalid-json", "send the event as Content-Type: application/json")
+        raise Refused("unsupported-media-type", "send the event as Content-Type: application/json")
     # Parsed and made canonical once, by @idempotent's fingerprint.
     parsed = request.environ.get(JSON_BODY)
     payload, canonical = parsed if parsed is not None else _parsed(body)

@@ -58,6 +58,9 @@ class Verdict(NamedTuple):
     action: str  # ACK | DEAD_LETTER
     reason: str | None = None
     detail: str | None = None
+    # A dead letter's, for its log line: when read (and fit for a line).
+    dedup_key: str | None = None
+    correlation_id: str | None = None
 
 
 ACKNOWLEDGED = Verdict(ACK)
@@ -99,7 +102,9 @@ def prepare(
             messages.append(identify(source, to_message(raw)))
             verdicts.append(None)
         except Unidentified as exc:
-            verdicts.append(Verdict(DEAD_LETTER, exc.reason, exc.detail))
+            verdicts.append(
+                Verdict(DEAD_LETTER, exc.reason, exc.detail, exc.dedup_key, exc.correlation_id)
+            )
         except Exception as exc:  # a bug, but one message's: never the consumer's end
             log.exception("source %s: a message could not be identified", source.name)
             verdicts.append(Verdict(DEAD_LETTER, CONSUMER_ERROR, _name(exc)))
@@ -170,9 +175,23 @@ def _one(message: Message, compare: inbox.ContentFingerprint) -> Outcome | Verdi
     except Exception as exc:
         raise_if_unavailable(exc)
         if isinstance(exc, DBAPIError):
-            return Verdict(DEAD_LETTER, UNSTORABLE, type(exc.orig or exc).__name__)
+            return Verdict(
+                DEAD_LETTER,
+                UNSTORABLE,
+                type(exc.orig or exc).__name__,
+                message.dedup_key,
+                message.correlation_id,
+            )
         log.exception("source %s: a message could not be stored", message.source)
-        return Verdict(DEAD_LETTER, CONSUMER_ERROR, _name(exc))
+        return Verdict(
+            DEAD_LETTER, CONSUMER_ERROR, _name(exc), message.dedup_key, message.correlation_id
+        )
+
+
+def _named(verdict: Verdict) -> dict[str, str]:
+    """The dedup key and correlation id a dead letter's log line names, those it has."""
+    named = {"dedup_key": verdict.dedup_key, "correlation_id": verdict.correlation_id}
+    return {name: value for name, value in named.items() if value is not None}
 
 
 def raise_if_unavailable(exc: Exception) -> None:
@@ -214,6 +233,13 @@ class Consumer:
     broker_errors: tuple[type[BaseException], ...] = (OSError,)
     # What the source names, for the log of its absence ("queue", "stream"...).
     source_noun = "queue"
+    # A dead-letter copy past the broker's limits, in the adapter's words:
+    # its lines keep the adapter's logger; the field the copy carries its
+    # reason in ("dead-letter-reason attribute"), and what befalls a message
+    # whose copy is refused for good ("the message is deleted").
+    logger = log
+    reason_field: str
+    settled_without_copy: str
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         self.app = app
@@ -260,6 +286,65 @@ class Consumer:
         """An outage's error as its log line says it (with no credentials)."""
         return f"{type(exc).__name__}: {exc}"
 
+    def copy_without_reason(
+        self,
+        verdict: Verdict,
+        why: object,
+        copy: str = "",
+        *,
+        refused: bool = False,
+        field: str | None = None,
+    ) -> None:
+        """Log (WARNING) a dead-letter copy that goes without its ``reason_field``, and why.
+
+        ``copy`` names the copy after its words ("the dead-letter copy of
+        message 7"); ``refused``: the broker refused it with the field first;
+        ``field``: the fields it goes without, when not ``reason_field`` alone
+        (the message's own of those names, kept).
+        """
+        went = (
+            "was refused with its %s (%s), and sent without it"
+            if refused
+            else "went without its %s (%s)"
+        )
+        self.logger.warning(
+            "source %s: the dead-letter copy%s " + went + "; its reason: %s",
+            self.source.name,
+            copy,
+            field or self.reason_field,
+            why,
+            verdict.reason or "unknown",
+            extra={"source": self.source.name, "reason": verdict.reason},
+        )
+
+    def copy_kept_own(
+        self, verdict: Verdict, kept: Sequence[str], noun: str, why: object, copy: str = ""
+    ) -> None:
+        """Log (WARNING) a copy that went without fields of ours: ``kept``, the message's own.
+
+        ``noun`` names what they are ("header", "field"), for the line's
+        "A and B headers".
+        """
+        names = ", ".join(kept[:-1]) + " and " + kept[-1] if len(kept) > 1 else kept[0]
+        plural = "s" if len(kept) > 1 else ""
+        self.copy_without_reason(verdict, why, copy, field=f"{names} {noun}{plural}")
+
+    def copy_refused(self, verdict: Verdict, why: object, copy: str = "") -> None:
+        """Log (ERROR) a dead-letter copy refused for good: its message is settled without one.
+
+        Said loudly, rather than the message given back and refused again
+        for ever; it is still counted and listed as a dead letter
+        (``dead_lettered``).
+        """
+        self.logger.error(
+            "source %s: the dead-letter copy%s was refused (%s); %s without one",
+            self.source.name,
+            copy,
+            why,
+            self.settled_without_copy,
+            extra={"source": self.source.name, "reason": verdict.reason},
+        )
+
     def dead_lettered(self, verdicts: Sequence[Verdict]) -> None:
         """Count and log messages now dead-lettered (after the nack, or the copy's publish).
 
@@ -285,5 +370,6 @@ class Consumer:
                             "source": source,
                             "outcome": "dead_letter",
                             "reason": verdict.reason,
+                            **_named(verdict),
                         },
                     )

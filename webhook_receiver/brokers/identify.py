@@ -35,6 +35,7 @@ from ..fingerprint import (
 )
 from ..inbox import ContentFingerprint, Message
 from ..inbox.messages import CORRELATION_ID_LENGTH, Unstorable
+from ..observability.logging import loggable
 
 # Reasons a message is dead-lettered without being stored.
 MISSING_KEY = "dedup-key-missing"
@@ -56,10 +57,19 @@ BINARY_PREFIX = "base64:"
 class Unidentified(Exception):
     """The message cannot be stored: no usable key, or a body its specs cannot read."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        dedup_key: str | None = None,
+        correlation_id: str | None = None,
+    ) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        # What the dead letter's log line names, when read and fit for a line.
+        self.dedup_key = dedup_key
+        self.correlation_id = correlation_id
 
 
 _NONE: Mapping[str, Any] = MappingProxyType({})
@@ -89,13 +99,21 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
     parsed: Any = None
     if needs_json:
         try:
-            parsed = loads(message.body)
+            # A lone surrogate's escape is JSON: the body is stored as it came,
+            # and only a key or type holding one is refused (Message.build).
+            parsed = loads(message.body, lone_surrogates=True)
         except JSONError as exc:
-            raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
+            raise Unidentified(
+                PAYLOAD_INVALID, str(exc), correlation_id=loggable(_correlation_id(message))
+            ) from exc
     names = _Names.of(message.headers)
     key = _read(key_spec, message, names, parsed)
     if not key:
-        raise Unidentified(MISSING_KEY, f"no dedup key at {source.dedup_key}")
+        raise Unidentified(
+            MISSING_KEY,
+            f"no dedup key at {source.dedup_key}",
+            correlation_id=loggable(_correlation_id(message, names)),
+        )
     event_type = _read(type_spec, message, names, parsed) or None
     try:
         return Message.build(
@@ -115,7 +133,14 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
         # PostgreSQL refuses a NUL in text and a value longer than its column,
         # and that error would fail the whole batch on every redelivery: such
         # a message is dead-lettered instead, the same way on both databases.
-        raise Unidentified(PAYLOAD_INVALID, str(exc)) from exc
+        spec = {"dedup_key": source.dedup_key, "event_type": source.event_type}.get(exc.field)
+        detail = f"{exc} (read from {spec})" if spec else str(exc)
+        raise Unidentified(
+            PAYLOAD_INVALID,
+            detail,
+            loggable(key),
+            loggable(_correlation_id(message, names)),
+        ) from exc
 
 
 def content_fingerprint(source: BrokerSourceConfig) -> ContentFingerprint:
@@ -137,7 +162,7 @@ def _content_fingerprint(
     content = body
     if needs_json or is_json_type(content_type):
         try:
-            content = canonical_json(loads(body))
+            content = canonical_json(loads(body, lone_surrogates=True))
         except JSONError:
             pass  # labelled JSON that is not: compared as the bytes it is
     return fingerprint([event_type or "", content])
@@ -229,7 +254,8 @@ def _header(headers: Mapping[str, str | bytes], names: _Names, name: str) -> str
     return None if stored is None else headers[stored]
 
 
-def _correlation_id(message: BrokerMessage, names: _Names) -> str | None:
+def _correlation_id(message: BrokerMessage, names: _Names | None = None) -> str | None:
+    names = names or _Names.of(message.headers)
     value = (
         message.properties.get("correlation_id")
         or _header(message.headers, names, "X-Request-Id")

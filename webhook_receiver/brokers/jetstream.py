@@ -56,6 +56,9 @@ MSG_ID = "Nats-Msg-Id"
 # JetStream's publish-time headers (ADR-31 and the stream's own controls).
 _CONTROL_HEADER_PREFIXES = ("Nats-Expected-", "Nats-Rollup", "Nats-TTL", "Nats-Schedule")
 _ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
+# JetStream's error code for a message past its stream's max_msg_size
+# (JSStreamMessageExceedsMaximumErr): published again, it is refused again.
+_PAST_STREAM_MAX_MSG_SIZE = 10054
 # What nats-py refuses to publish whatever the broker's state: a dead-letter
 # copy refused so is never published, and its message is terminated alone.
 _REFUSED = (nats.errors.BadHeaderError, nats.errors.BadSubjectError, nats.errors.MaxPayloadError)
@@ -177,6 +180,10 @@ class JetStreamConsumer(batch.Consumer):
     """Consume one JetStream stream (through a durable pull consumer) until ``stop`` is set."""
 
     source_noun = "stream"
+    logger = log
+    reason_field = f"{DEAD_LETTER_REASON} header"
+    # No copy can ever be published: terminated alone.
+    settled_without_copy = "the message is terminated"
 
     # Set while this consumer closes its own connection: nats-py's
     # disconnect callback then reports no outage.
@@ -445,34 +452,60 @@ class JetStreamConsumer(batch.Consumer):
             for name, value in (message.headers or {}).items()
             if not name.startswith(_CONTROL_HEADER_PREFIXES)
         }
+        # A producer's own header of our names (a message redriven from a
+        # dead-letter stream) is kept: nats-py sends a name once and reads a
+        # repeated one as its last, so ours cannot go beside it.
+        kept: list[str] = []
         original = headers.pop(MSG_ID, None)
         if original is not None:
-            headers[DEAD_LETTER_MSG_ID] = original
-        headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
-        headers[MSG_ID] = f"dead-letter:{self.source.stream}:{message.metadata.sequence.stream}"
+            if DEAD_LETTER_MSG_ID in headers:
+                kept.append(DEAD_LETTER_MSG_ID)
+            else:
+                headers[DEAD_LETTER_MSG_ID] = original
+        with_reason = DEAD_LETTER_REASON not in headers
+        if with_reason:
+            headers[DEAD_LETTER_REASON] = verdict.reason or "unknown"
+        else:
+            kept.insert(0, DEAD_LETTER_REASON)
+        sequence = message.metadata.sequence.stream
+        headers[MSG_ID] = f"dead-letter:{self.source.stream}:{sequence}"
         # The server counts the headers against max_payload too (nats-py the
         # data alone): a copy past it closes the connection, for ever.
         size = _wire_size(message.data, headers)
+        why_not, refused = None, False
         if size > max_payload:
-            del headers[DEAD_LETTER_REASON]
-            if _wire_size(message.data, headers) > max_payload:
-                self._refused(verdict, f"{size} bytes, past the server's max_payload")
+            if with_reason:
+                del headers[DEAD_LETTER_REASON]
+            if not with_reason or _wire_size(message.data, headers) > max_payload:
+                self.copy_refused(verdict, f"{size} bytes, past the server's max_payload")
                 return True
-            log.warning(
-                "source %s: the dead-letter copy went without its %s header (%d bytes with "
-                "it, past the server's max_payload); its reason: %s",
-                self.source.name,
-                DEAD_LETTER_REASON,
-                size,
-                verdict.reason,
-                extra={"source": self.source.name, "reason": verdict.reason},
-            )
+            why_not = f"{size} bytes with it, past the server's max_payload"
         try:
-            await js.publish(subject, message.data, headers=headers, timeout=5)
+            try:
+                await js.publish(subject, message.data, headers=headers, timeout=5)
+            except nats.js.errors.APIError as exc:
+                # The dead-letter stream's max_msg_size (headers count) may
+                # be smaller than the server's max_payload.
+                if (
+                    exc.err_code != _PAST_STREAM_MAX_MSG_SIZE
+                    or why_not is not None
+                    or not with_reason
+                ):
+                    raise
+                del headers[DEAD_LETTER_REASON]
+                why_not, refused = f"{size} bytes: {exc.description}", True
+                await js.publish(subject, message.data, headers=headers, timeout=5)
         except _REFUSED as exc:
-            self._refused(verdict, exc)
+            self.copy_refused(verdict, exc)
             return True
         except _ERRORS as exc:
+            if (
+                isinstance(exc, nats.js.errors.APIError)
+                and exc.err_code == _PAST_STREAM_MAX_MSG_SIZE
+            ):
+                # Without its reason too: no copy fits the dead-letter stream.
+                self.copy_refused(verdict, f"{exc.description}, the dead-letter stream's limit")
+                return True
             log.error(
                 "source %s: could not dead-letter to %r (%s); the message is retried",
                 self.source.name,
@@ -480,17 +513,18 @@ class JetStreamConsumer(batch.Consumer):
                 exc,
             )
             return False
+        if why_not is not None:
+            self.copy_without_reason(verdict, why_not, refused=refused)
+        if kept:
+            named = f" (Nats-Msg-Id {original!r})" if original is not None else ""
+            self.copy_kept_own(
+                verdict,
+                kept,
+                "header",
+                "the message has its own, kept",
+                f" of stream sequence {sequence}{named}",
+            )
         return True
-
-    def _refused(self, verdict: batch.Verdict, why: object) -> None:
-        # No copy can ever be published: terminated alone, said loudly.
-        log.error(
-            "source %s: the dead-letter copy was refused (%s); the message is terminated "
-            "without one",
-            self.source.name,
-            why,
-            extra={"source": self.source.name, "reason": verdict.reason},
-        )
 
     def _broker_message(self, raw: _Raw) -> BrokerMessage:
         message, malformed = raw

@@ -143,6 +143,8 @@ class KafkaConsumer(batch.Consumer):
 
     broker_errors = (KafkaException,)
     source_noun = "topic"
+    logger = log
+    settled_without_copy = "its offset moves on"
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
@@ -575,6 +577,8 @@ class KafkaConsumer(batch.Consumer):
         waiting = list(dead)
         while waiting:
             failed: list[tuple[Message, batch.Verdict]] = []
+            reported: list[tuple[Message, batch.Verdict]] = []
+            sent: list[tuple[Message, batch.Verdict]] = []
             for record, verdict in waiting:
                 try:
                     self._producer.produce(
@@ -582,22 +586,18 @@ class KafkaConsumer(batch.Consumer):
                         value=record.value(),
                         key=record.key(),
                         headers=[*_headers_of(record), *self._error_headers(record, verdict)],
-                        on_delivery=_on_delivery(failed, (record, verdict)),
+                        on_delivery=_on_delivery(failed, reported, (record, verdict)),
                     )
+                    sent.append((record, verdict))
                 except KafkaException as exc:
                     if _error_code(exc) in _REFUSED:
                         # No copy can ever be sent (larger than the producer's
                         # message.max.bytes): passed without one, said loudly,
                         # rather than stopping the consumer on it for good.
-                        log.error(
-                            "source %s: the dead-letter copy of %s[%d]@%d was refused (%s); "
-                            "its offset moves on without one",
-                            self.source.name,
-                            record.topic(),
-                            record.partition(),
-                            record.offset(),
+                        self.copy_refused(
+                            verdict,
                             _describe(exc),
-                            extra={**self._extra(), "reason": verdict.reason},
+                            f" of {record.topic()}[{record.partition()}]@{record.offset()}",
                         )
                     else:
                         log.warning("dead letter not sent: %s", _describe(exc))
@@ -606,17 +606,19 @@ class KafkaConsumer(batch.Consumer):
                     # The producer's queue is full: sent again after the flush.
                     log.warning("dead letter not sent: %s", exc)
                     failed.append((record, verdict))
-            left = self._producer.flush(DEAD_LETTER_WAIT_SECONDS)
-            if left == 0 and not failed:
+            # A copy is out only on its delivery report: one not yet in is
+            # waited for (librdkafka retries it), never taken as delivered,
+            # nor sent again while it may still arrive.
+            while self._producer.flush(DEAD_LETTER_WAIT_SECONDS) and not self.stop.is_set():
+                self.broker.failed(f"dead letters to {topic!r} not reported delivered")
+            done = {id(item) for item in reported}
+            unreported = [item for item in sent if id(item) not in done]
+            if not failed and not unreported:
                 return []
-            if left:
-                # Not yet reported: waited for again before any is sent anew.
-                self._producer.flush(DEAD_LETTER_WAIT_SECONDS)
-            waiting = failed
             if self.stop.is_set():
-                return [record for record, _ in waiting]
-            if waiting:
-                self.stop.wait(self.broker.failed(f"dead letters to {topic!r} not delivered"))
+                return [record for record, _ in failed + unreported]
+            waiting = failed
+            self.stop.wait(self.broker.failed(f"dead letters to {topic!r} not delivered"))
         return []
 
     def _error_headers(self, record: Message, verdict: batch.Verdict) -> list[tuple[str, bytes]]:
@@ -686,9 +688,12 @@ def _hold_back(next_offsets: dict[TopicKey, int], undelivered: Sequence[Message]
 
 
 def _on_delivery(
-    failed: list[tuple[Message, batch.Verdict]], item: tuple[Message, batch.Verdict]
+    failed: list[tuple[Message, batch.Verdict]],
+    reported: list[tuple[Message, batch.Verdict]],
+    item: tuple[Message, batch.Verdict],
 ) -> Callable[[KafkaError | None, Any], None]:
     def report(error: KafkaError | None, _message: Any) -> None:
+        reported.append(item)
         if error is not None:
             log.warning("dead letter not delivered: %s", error.str())
             failed.append(item)

@@ -95,6 +95,9 @@ class MqttConsumer(batch.Consumer):
     """Consume one MQTT source's topics (QoS 1, persistent session) until ``stop`` is set."""
 
     broker_errors = (ConnectionLost, OSError)
+    logger = log
+    reason_field = f"{DEAD_LETTER_REASON} user property"
+    settled_without_copy = "the message is acknowledged"
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
@@ -310,23 +313,12 @@ class MqttConsumer(batch.Consumer):
                 # Maximum Packet Size: the original would come again, for ever.
                 properties = _copy_properties(message, kept)
                 if not self._fits(session, topic, message.payload, properties):
-                    log.error(
-                        "source %s: the dead-letter copy was refused (larger than the "
-                        "broker's Maximum Packet Size, %d bytes); the message is "
-                        "acknowledged without one",
-                        self.source.name,
-                        session.max_packet,
-                        extra={"source": self.source.name, "reason": verdict.reason},
+                    self.copy_refused(
+                        verdict,
+                        f"larger than the broker's Maximum Packet Size, {session.max_packet} bytes",
                     )
                     continue
-                log.warning(
-                    "source %s: the dead-letter copy went without its %s user property "
-                    "(past the broker's Maximum Packet Size with it); its reason: %s",
-                    self.source.name,
-                    DEAD_LETTER_REASON,
-                    verdict.reason,
-                    extra={"source": self.source.name, "reason": verdict.reason},
-                )
+                self.copy_without_reason(verdict, "past the broker's Maximum Packet Size with it")
             sent.append(client.publish(topic, message.payload, qos=1, properties=properties))
         deadline = time.monotonic() + ANSWER_SECONDS
         while not all(info.is_published() for info in sent):

@@ -6,6 +6,8 @@ import logging
 import random
 import time
 
+from ..database import damage_message, is_damaged
+
 log = logging.getLogger("webhook_receiver.brokers")
 
 
@@ -42,10 +44,20 @@ class Outage:
         # Jitter, so that consumers cut off together do not come back together.
         delay *= 0.5 + random.random() / 2
         extra = {"source": self.source, "outage": self.what}
+        # A damaged database is no outage a wait ends: an operator must
+        # restore it, so each line is an ERROR naming the damage.
+        cause = error.__cause__ if isinstance(error, BaseException) else None
+        damaged = next(
+            (e for e in (error, cause) if isinstance(e, BaseException) and is_damaged(e)), None
+        )
+        level = logging.WARNING
+        if damaged is not None:
+            level, error = logging.ERROR, damage_message(damaged)
         if self.since is None:
             self.since = time.monotonic()
             self.attempts = 1
-            log.warning(
+            log.log(
+                level,
                 "source %s: %s unavailable, backing off and retrying: %s",
                 self.source,
                 self.what,
@@ -54,7 +66,8 @@ class Outage:
             )
         else:
             self.attempts += 1
-            log.warning(
+            log.log(
+                level,
                 "source %s: %s still unavailable after %.1f s (attempt %d, next in %.1f s): %s",
                 self.source,
                 self.what,

@@ -68,6 +68,9 @@ class PubSubConsumer(PulledConsumer):
 
     broker_errors = _ERRORS
     source_noun = "subscription"
+    logger = log
+    reason_field = f"{DEAD_LETTER_REASON} attribute"
+    settled_without_copy = "the message is acknowledged"
 
     # The session's clients (thread-safe: the three stages share them), and
     # whether the subscription delivers exactly once.
@@ -252,16 +255,8 @@ class PubSubConsumer(PulledConsumer):
                 why_not = f"refused with it: {exc.message}"
                 self._publish(topic, message.data, message.attributes)
         except api_exceptions.InvalidArgument as exc:
-            # No copy can ever be published: acknowledged without one, said
-            # loudly, rather than given back and refused again for ever.
-            log.error(
-                "source %s: the dead-letter copy of message %s was refused (%s); "
-                "the message is acknowledged without one",
-                self.source.name,
-                message.message_id,
-                exc.message,
-                extra={"source": self.source.name, "reason": verdict.reason},
-            )
+            # No copy can ever be published: acknowledged without one.
+            self.copy_refused(verdict, exc.message, f" of message {message.message_id}")
             return True
         except Exception as exc:  # the call raises whatever failed it
             log.error(
@@ -274,16 +269,7 @@ class PubSubConsumer(PulledConsumer):
             )
             return False
         if why_not is not None:
-            log.warning(
-                "source %s: the dead-letter copy of message %s went without its %s "
-                "attribute (%s); its reason: %s",
-                self.source.name,
-                message.message_id,
-                DEAD_LETTER_REASON,
-                why_not,
-                reason,
-                extra={"source": self.source.name, "reason": verdict.reason},
-            )
+            self.copy_without_reason(verdict, why_not, f" of message {message.message_id}")
         return True
 
     def _publish(self, topic: str, data: bytes, attributes: Mapping[str, str]) -> None:

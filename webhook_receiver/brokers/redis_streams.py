@@ -8,8 +8,8 @@ reads the next; only then is each entry settled: ``XACK`` for a new entry
 or a same-content duplicate; for a conflict or an entry that cannot be
 stored, a copy to ``dead_letter_stream`` (its fields unchanged, with
 ``dead_letter_reason``, ``dead_letter_id`` and ``dead_letter_stream``
-fields) and ``XACK`` in one ``MULTI``/``EXEC``, so that a crash never
-leaves one without the other.
+fields where it has none of its own) and ``XACK`` in one
+``MULTI``/``EXEC``, so that a crash never leaves one without the other.
 
 What a consumer read and never acknowledged stays pending in the group
 under its name. On start, and every ``claim_idle_seconds``, ``XAUTOCLAIM``
@@ -66,6 +66,7 @@ MAX_DELIVERIES = "max-deliveries"
 DEAD_LETTER_REASON = b"dead_letter_reason"
 DEAD_LETTER_ID = b"dead_letter_id"
 DEAD_LETTER_STREAM = b"dead_letter_stream"
+_DEAD_LETTER_FIELDS = (DEAD_LETTER_REASON, DEAD_LETTER_ID, DEAD_LETTER_STREAM)
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
@@ -88,6 +89,8 @@ class RedisStreamConsumer(batch.Consumer):
 
     broker_errors = _ERRORS
     source_noun = "stream"
+    logger = log
+    reason_field = f"{DEAD_LETTER_REASON.decode()} field"
 
     def __init__(self, app: Flask, source: BrokerSourceConfig, stop: threading.Event) -> None:
         super().__init__(app, source, stop)
@@ -318,28 +321,46 @@ class RedisStreamConsumer(batch.Consumer):
                     f"dead_letter_stream {target!r} on {self.source.safe_url} is a {shown}, "
                     "not a stream: dead letters wait, unacknowledged"
                 )
+        copied = [(e, v) for e, v in dead if e.fields is not None] if target else []
         pipe = client.pipeline(transaction=True)
-        if target:
-            for entry, verdict in dead:
-                if entry.fields is not None:
-                    pipe.xadd(target, self._dead_letter(entry, verdict))
+        for entry, verdict in copied:
+            pipe.xadd(target, self._dead_letter(entry, verdict))
         pipe.xack(self.stream, self.group, *(entry.id for entry in entries))
         try:
             pipe.execute()
         finally:
             pipe.reset()
+        for entry, verdict in copied:
+            self._copied_without(entry, verdict)
         self.dead_lettered([verdict for _, verdict in dead])
         self.settled += len(entries)
         return True
 
     def _dead_letter(self, entry: Entry, verdict: batch.Verdict) -> dict[bytes, bytes]:
+        """The entry's fields as read, and ours of the names it has no field of."""
         assert entry.fields is not None
-        return {
-            **entry.fields,
+        ours = {
             DEAD_LETTER_REASON: (verdict.reason or "unknown").encode(),
             DEAD_LETTER_ID: entry.id,
             DEAD_LETTER_STREAM: self.stream.encode(),
         }
+        # Redis keeps a repeated field name, but redis-py (ours, and most
+        # readers') reads it as its last value: ours beside an entry's own
+        # (one redriven from a dead-letter stream) would hide it.
+        return {**entry.fields, **{k: v for k, v in ours.items() if k not in entry.fields}}
+
+    def _copied_without(self, entry: Entry, verdict: batch.Verdict) -> None:
+        """Log (WARNING) the fields of ours a published copy went without: the entry's own."""
+        assert entry.fields is not None
+        kept = [n.decode() for n in _DEAD_LETTER_FIELDS if n in entry.fields]
+        if kept:
+            self.copy_kept_own(
+                verdict,
+                kept,
+                "field",
+                "the entry has its own, kept",
+                f" of entry {entry.id.decode('ascii')}",
+            )
 
     def _hold(self, client: Any, seconds: float) -> None:
         """Wait ``seconds``, the held entries unacknowledged and kept from being claimed."""

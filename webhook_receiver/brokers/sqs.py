@@ -20,7 +20,7 @@ back and is recognised as duplicates.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import boto3
@@ -76,6 +76,9 @@ class SqsConsumer(PulledConsumer):
     """Consume one SQS queue (standard or FIFO) into the inbox until ``stop`` is set."""
 
     broker_errors = _ERRORS
+    logger = log
+    reason_field = f"{DEAD_LETTER_REASON} attribute"
+    settled_without_copy = "the message is deleted"
 
     # The session's boto3 client (thread-safe: the three stages share it).
     _sqs: Any = None
@@ -209,31 +212,21 @@ class SqsConsumer(PulledConsumer):
         refused: list[_Refused] = []
         for chunk in _send_batches(dead):
             self._send(client, url, chunk, True, sent, failed, refused)
+        for raw, verdict in sent:
+            why_not = _no_room(raw.get("MessageAttributes") or {})
+            if why_not is not None:
+                self.copy_without_reason(verdict, why_not, f" of message {raw['MessageId']}")
         again, refused = refused, []
         for raw, verdict, why in again:
             self._send(client, url, [(raw, verdict)], False, sent, failed, refused)
             if sent and sent[-1][0] is raw:
-                log.warning(
-                    "source %s: the dead-letter copy of message %s was refused with its %s "
-                    "attribute (%s), and sent without it; its reason: %s",
-                    self.source.name,
-                    raw["MessageId"],
-                    DEAD_LETTER_REASON,
-                    why,
-                    verdict.reason,
-                    extra={"source": self.source.name, "reason": verdict.reason},
+                self.copy_without_reason(
+                    verdict, why, f" of message {raw['MessageId']}", refused=True
                 )
         for raw, verdict, why in refused:
-            # No copy can ever be sent: deleted without one, said loudly,
-            # rather than received and refused again every few seconds, for ever.
-            log.error(
-                "source %s: the dead-letter copy of message %s was refused (%s); "
-                "the message is deleted without one",
-                self.source.name,
-                raw["MessageId"],
-                why,
-                extra={"source": self.source.name, "reason": verdict.reason},
-            )
+            # No copy can ever be sent: deleted without one, rather than
+            # received and refused again every few seconds, for ever.
+            self.copy_refused(verdict, why, f" of message {raw['MessageId']}")
             sent.append((raw, verdict))
         return sent, failed
 
@@ -336,7 +329,7 @@ def _copy(
 ) -> dict[str, Any]:
     """A dead letter: the body and attributes as received, the reason beside them (if it fits)."""
     attributes = dict(raw.get("MessageAttributes") or {})
-    if with_reason and len(attributes) < MAX_ATTRIBUTES:
+    if with_reason and _no_room(attributes) is None:
         attributes[DEAD_LETTER_REASON] = {
             "DataType": "String",
             "StringValue": verdict.reason or "unknown",
@@ -350,6 +343,15 @@ def _copy(
         # A copy sent again after a crash is dropped by the queue's dedup window.
         entry["MessageDeduplicationId"] = f"dead-letter-{raw['MessageId']}"
     return entry
+
+
+def _no_room(attributes: Mapping[str, Any]) -> str | None:
+    """Why a copy cannot carry the reason attribute, or None when it can."""
+    if DEAD_LETTER_REASON in attributes:
+        return "the message has one of its own, kept"
+    if len(attributes) >= MAX_ATTRIBUTES:
+        return f"the message has SQS's most of {MAX_ATTRIBUTES} attributes"
+    return None
 
 
 def _delete(client: Any, source: BrokerSourceConfig, raws: Sequence[Raw]) -> None:

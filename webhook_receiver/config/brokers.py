@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .forwards import KAFKA_SECURITY_KEYS, NATS_SUBJECT, PROCESSING_KEYS, SECURITY_PROTOCOLS
-from .settings import ConfigError, redact_url
+from .settings import CENTURY_DAYS, DAY, ConfigError, check_positive_integer, redact_url
 from .sources import check_source_name, parse_spec
 
 _BROKER_KEYS = {"provider", "dedup_key", "event_type", "retention_days", *PROCESSING_KEYS}
@@ -257,9 +257,21 @@ def _positive_integers(
     """
     values = {key: table.get(key, default) for key, default in defaults.items()}
     for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+        check_positive_integer(value, key, where, BROKER_MAXIMA)
     return values
+
+
+# Each broker number's largest value, and why: past it, a cutoff date
+# overflowed in flask purge, a wait overflowed threading's limit, or a
+# driver refused the count. (Below it, each provider still takes no more
+# than its own limit at once: RabbitMQ 65,535, Kafka 100,000, Redis 10,000.)
+BROKER_MAXIMA: dict[str, tuple[int, str]] = {
+    "retention_days": (CENTURY_DAYS, "a century: its cutoff stays a date"),
+    "batch": (1_000_000, "confluent-kafka's consume() takes no more"),
+    "prefetch": (1_000_000, "as a batch; RabbitMQ takes 65,535 at most"),
+    "claim_idle_seconds": (7 * DAY, "1 week: a dead consumer's entries wait that long"),
+    "max_deliveries": (1_000_000, "a limit that still ends a poison entry's rounds"),
+}
 
 
 def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceConfig:

@@ -66,6 +66,13 @@ def check_retention(settings: Mapping[str, Any], file_config: FileConfig) -> Non
             "WEBHOOK_RECEIVER_API_RETENTION_DAYS is shorter than "
             "WEBHOOK_RECEIVER_IDEMPOTENCY_TTL_SECONDS: API events must outlive their keys"
         )
+    if settings["IDEMPOTENCY_TTL_SECONDS"] < settings["IDEMPOTENCY_LEASE_SECONDS"]:
+        # A request still running would hold an expired key: another request
+        # could take it over, and the purge delete it, claim and all.
+        raise ConfigError(
+            "WEBHOOK_RECEIVER_IDEMPOTENCY_TTL_SECONDS is shorter than "
+            "WEBHOOK_RECEIVER_IDEMPOTENCY_LEASE_SECONDS: a key must outlive the request it holds"
+        )
     if settings["FORCE_SHORT_RETENTION"]:
         return
     for name, days in file_config.retention_days().items():

@@ -6,6 +6,7 @@ Both sources and clients may carry them; the keys they add to a table are
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from urllib.parse import unquote
 
 from .. import pointers
 from .filters import Filter, parse_filter
-from .settings import ConfigError, redact_url
+from .settings import DAY, ConfigError, redact_url
 from .signing import is_standard_secret
 
 # Keys read by the processing side (forwards and ordering), on sources and clients.
@@ -177,8 +178,9 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             )
         transport = _forward_transport(table, scheme, here)
         timeout = table.get("timeout_seconds", 10)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
-            raise ConfigError(f"{here} timeout_seconds must be a positive number")
+        if not _positive_finite(timeout):
+            raise ConfigError(f"{here} timeout_seconds must be a positive number, not nan or inf")
+        _check_at_most(timeout, "timeout_seconds", here)
         event_types = table.get("event_types")
         if event_types is not None and (
             not isinstance(event_types, list)
@@ -190,9 +192,12 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
         ):
             raise ConfigError(f"{here} max_attempts must be a positive integer")
+        if max_attempts is not None:
+            _check_at_most(max_attempts, "max_attempts", here)
         concurrency = table.get("concurrency", 1)
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ConfigError(f"{here} concurrency must be a positive integer")
+        _check_at_most(concurrency, "concurrency", here)
         max_per_second = table.get("max_per_second")
         if max_per_second is not None and (
             not isinstance(max_per_second, int | float)
@@ -219,6 +224,37 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
     return tuple(result)
 
 
+# A forward's numbers' largest values, and why. A worker's lease (at most a
+# week) must exceed twice the timeout; a cool-down past year 9999 overflowed
+# the breaker's retry time (OverflowError in the worker).
+FORWARD_MAXIMA: dict[str, tuple[int, str]] = {
+    "timeout_seconds": (DAY, "1 day: a call's whole wait"),
+    "max_attempts": (1_000_000, "far within the 32-bit count of attempts"),
+    # More than any worker runs at once (WORKER_THREADS is at most 9).
+    "concurrency": (1_000, "no worker runs more deliveries at once"),
+    "circuit_breaker.failures": (1_000_000, "a breaker that still opens"),
+    "circuit_breaker.cool_down_seconds": (DAY, "1 day: a target's pause"),
+}
+
+
+def _check_at_most(value: float, key: str, here: str) -> None:
+    largest, why = FORWARD_MAXIMA[key]
+    if value > largest:
+        raise ConfigError(
+            f"{here} {key} must be above 0 and at most {largest:,} ({why}), got {value!r}"
+        )
+
+
+def _positive_finite(value: Any) -> bool:
+    """A number of seconds: TOML's nan passed "<= 0", and inf never ended a wait."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def parse_circuit_breaker(value: Any, here: str) -> CircuitBreakerConfig | None:
     """``circuit_breaker = { failures = 5, cool_down_seconds = 60 }`` (the defaults), or false."""
     if value is False:
@@ -231,8 +267,12 @@ def parse_circuit_breaker(value: Any, here: str) -> CircuitBreakerConfig | None:
     cool_down = value.get("cool_down_seconds", 60)
     if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
         raise ConfigError(f"{here} circuit_breaker.failures must be a positive integer")
-    if not isinstance(cool_down, int | float) or isinstance(cool_down, bool) or cool_down <= 0:
-        raise ConfigError(f"{here} circuit_breaker.cool_down_seconds must be a positive number")
+    if not _positive_finite(cool_down):
+        raise ConfigError(
+            f"{here} circuit_breaker.cool_down_seconds must be a positive number, not nan or inf"
+        )
+    _check_at_most(failures, "circuit_breaker.failures", here)
+    _check_at_most(cool_down, "circuit_breaker.cool_down_seconds", here)
     return CircuitBreakerConfig(failures, cool_down)
 
 

@@ -8,6 +8,7 @@ wrong.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -36,6 +37,10 @@ DEFAULTS: dict[str, Any] = {
     "LOG_LEVEL": "INFO",
     "ADMIN_PASSWORD": None,
     "METRICS_TOKEN": None,
+    # flask worker / flask consume serve their own /metrics on this port
+    # (observability/metrics_server.py), bound to METRICS_HOST or loopback.
+    "METRICS_PORT": None,
+    "METRICS_HOST": None,
     "SESSION_COOKIE_SECURE": False,
     # How many reverse proxies in front set X-Forwarded-For/-Proto; 0 trusts
     # none. Login throttling and logs use the client address they give.
@@ -86,6 +91,8 @@ class ConfigError(Exception):
 
 
 # Numeric settings: (type, smallest allowed value).
+# Each is finite: nan passed every "at least" check (nan < x is false) and
+# made the worker spin or never lease; inf slept for ever or overflowed.
 NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "MAX_BODY_BYTES": (int, 1),
     "IDEMPOTENCY_LEASE_SECONDS": (int, 1),
@@ -111,6 +118,66 @@ NUMERIC_SETTINGS: dict[str, tuple[type, float]] = {
     "DATABASE_STATEMENT_TIMEOUT_SECONDS": (float, 0),
     "DATABASE_STALL_WARNING_SECONDS": (float, 0.001),
 }
+# Caps where inf means "no cap" (the backoff keeps a delay within a century).
+UNCAPPED_ALLOWED = frozenset({"WORKER_BACKOFF_MAX_SECONDS", "WORKER_RETRY_AFTER_MAX_SECONDS"})
+
+HOUR = 3600
+DAY = 24 * HOUR
+YEAR = 365 * DAY
+CENTURY_DAYS = 36_500
+# PostgreSQL keeps statement_timeout and lock_timeout in a 32-bit count of
+# milliseconds: a larger one fails every connection (or the claim's write).
+POSTGRESQL_TIMEOUT_SECONDS = 2_147_483
+
+# Numeric settings' largest allowed values, and why. A huge finite value
+# otherwise passed startup and crashed at first use: a timedelta or a date
+# past year 9999 (OverflowError, a 500 at login), a sleep or wait beyond
+# threading.TIMEOUT_MAX, a timeout PostgreSQL refuses, a LIMIT past 64 bits.
+NUMERIC_MAXIMA: dict[str, tuple[float, str]] = {
+    "MAX_BODY_BYTES": (1024**3, "1 GiB: PostgreSQL's largest field value"),
+    "IDEMPOTENCY_LEASE_SECONDS": (DAY, "1 day: no request runs longer"),
+    "IDEMPOTENCY_TTL_SECONDS": (CENTURY_DAYS * DAY, "a century: its expiry stays a date"),
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECONDS": (
+        POSTGRESQL_TIMEOUT_SECONDS,
+        "PostgreSQL's limit for lock_timeout",
+    ),
+    "PURGE_BATCH_SIZE": (1_000_000, "rows deleted in one transaction"),
+    "API_RETENTION_DAYS": (CENTURY_DAYS, "a century: its cutoff stays a date"),
+    "DEFAULT_RETENTION_DAYS": (CENTURY_DAYS, "a century: its cutoff stays a date"),
+    "TRUSTED_PROXIES": (100, "no deployment chains more proxies"),
+    "ADMIN_SESSION_HOURS": (365 * 24, "1 year: a session's end stays a date"),
+    "ADMIN_LOGIN_MAX_FAILURES": (1_000_000, "a limit that still limits guessing"),
+    "ADMIN_LOGIN_WINDOW_SECONDS": (YEAR, "1 year: the window's start stays a date"),
+    "ADMIN_PAGE_SIZE": (10_000, "rows one admin page renders at once"),
+    "DUPLICATE_FLUSH_SECONDS": (DAY, "1 day: counts wait in memory that long"),
+    "REJECTION_FLUSH_SECONDS": (DAY, "1 day: counts wait in memory that long"),
+    "WORKER_LEASE_SECONDS": (7 * DAY, "1 week: above twice a forward's longest timeout"),
+    "WORKER_POLL_SECONDS": (DAY, "1 day: new deliveries wait that long"),
+    "WORKER_MAX_ATTEMPTS": (1_000_000, "far within the 32-bit count of attempts"),
+    "WORKER_BACKOFF_BASE_SECONDS": (YEAR, "1 year: a first retry any later is none"),
+    # Any cap is safe (inf is none): the backoff keeps each delay within a
+    # century, so that 1e15 ("honour any Retry-After") is as good as inf.
+    "WORKER_BACKOFF_MAX_SECONDS": (math.inf, "none: a delay stays within a century"),
+    "WORKER_RETRY_AFTER_MAX_SECONDS": (math.inf, "none: a delay stays within a century"),
+    # PostgreSQL's pool is 5 + 5 connections; the claim loop holds one.
+    "WORKER_THREADS": (9, "each needs one of the pool's 10 connections"),
+    "DATABASE_STATEMENT_TIMEOUT_SECONDS": (
+        POSTGRESQL_TIMEOUT_SECONDS,
+        "PostgreSQL's limit for statement_timeout",
+    ),
+    "DATABASE_STALL_WARNING_SECONDS": (DAY, "1 day: a call stalled longer is long dead"),
+}
+
+
+def check_positive_integer(
+    value: Any, key: str, where: str, maxima: dict[str, tuple[int, str]]
+) -> None:
+    """ConfigError unless ``value`` is a positive integer (not a bool) within ``maxima[key]``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where} {key} must be a positive integer")
+    largest, why = maxima[key]
+    if value > largest:
+        raise ConfigError(f"{where} {key} must be from 1 to {largest:,} ({why}), got {value}")
 
 
 def check_settings(config: dict[str, Any]) -> None:
@@ -123,13 +190,21 @@ def check_settings(config: dict[str, Any]) -> None:
             if isinstance(value, bool):
                 raise ValueError
             number = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise ConfigError(
                 f"WEBHOOK_RECEIVER_{name} must be a{'n integer' if kind is int else ' number'}, "
                 f"got {value!r}"
             ) from None
+        if math.isnan(number) or (math.isinf(number) and name not in UNCAPPED_ALLOWED):
+            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be a finite number, got {value!r}")
         if number < smallest:
             raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
+        largest, why = NUMERIC_MAXIMA[name]
+        if number > largest:
+            raise ConfigError(
+                f"WEBHOOK_RECEIVER_{name} must be from {smallest:g} to {int(largest):,} "
+                f"({why}), got {value!r}"
+            )
         config[name] = number
 
 

@@ -12,8 +12,15 @@ from typing import Any
 
 from .. import pointers
 from .forwards import PROCESSING_KEYS
-from .settings import ConfigError
+from .settings import CENTURY_DAYS, YEAR, ConfigError, check_positive_integer
 from .signing import HMAC_SCHEME_KEYS, check_hmac_scheme, is_standard_secret
+
+# A source's numbers' largest values, and why: a retention past a century
+# put flask purge's cutoff before year 1 (OverflowError).
+SOURCE_MAXIMA: dict[str, tuple[int, str]] = {
+    "tolerance_seconds": (YEAR, "1 year: a wider window is no check of replays"),
+    "retention_days": (CENTURY_DAYS, "a century: its cutoff stays a date"),
+}
 
 _SOURCE_KEYS = {
     "provider",
@@ -79,8 +86,7 @@ def source_config(name: str, table: dict[str, Any], where: str) -> SourceConfig:
     tolerance = table.get("tolerance_seconds", 300)
     retention = table.get("retention_days", 30)
     for key, value in (("tolerance_seconds", tolerance), ("retention_days", retention)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where} {key} must be a positive integer")
+        check_positive_integer(value, key, where, SOURCE_MAXIMA)
     signature_header = table.get("signature_header")
     if provider in ("generic", "cloudevents") and (
         not isinstance(signature_header, str) or not signature_header.strip()

@@ -13,6 +13,12 @@ from ..problems import Problem
 
 HEADER = "Idempotency-Key"
 MAX_LENGTH = 255
+# The server joins a repeated header with commas, so a comma outside quotes
+# may be either: the detail says both.
+_COMMA = (
+    f"{HEADER} holds a comma outside quotes: send the header once, and a key "
+    'with a comma as a quoted string ("...")'
+)
 
 
 def parse_key(headers: Headers, *, required: bool = True) -> str | None:
@@ -46,7 +52,7 @@ def _printable(ch: str) -> bool:
 
 def _parse_bare(raw: str) -> str:
     if "," in raw:
-        raise Problem("idempotency-key-invalid", f"{HEADER} was sent more than once")
+        raise Problem("idempotency-key-invalid", _COMMA)
     if not all(_printable(ch) for ch in raw):
         raise Problem("idempotency-key-invalid", f"{HEADER} must be printable ASCII")
     return raw
@@ -65,8 +71,12 @@ def _parse_sf_string(raw: str) -> str:
             continue
         if ch == '"':
             rest = raw[i + 1 :].strip(" \t")
+            if rest.startswith(","):
+                raise Problem("idempotency-key-invalid", _COMMA)
             if rest:
-                raise Problem("idempotency-key-invalid", f"{HEADER} was sent more than once")
+                raise Problem(
+                    "idempotency-key-invalid", f"{HEADER} has text after the closing quote"
+                )
             return "".join(out)
         if not _printable(ch):
             raise Problem("idempotency-key-invalid", f"{HEADER} must be printable ASCII")

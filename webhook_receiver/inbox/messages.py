@@ -291,7 +291,12 @@ def _refuse(
         if "\x00" in value:
             raise Unstorable(field, "nul", f"{name} holds a NUL character")
         if not _is_utf8(value):
-            raise Unstorable(field, "not-utf8", f"{name} is not UTF-8 text")
+            # Only a lone surrogate makes a str no UTF-8: JSON's \uD800-\uDFFF escape.
+            raise Unstorable(
+                field,
+                "not-utf8",
+                f"{name} holds a lone surrogate (\\uD800-\\uDFFF), not UTF-8 text",
+            )
     if not _key_fits(source, dedup_key):
         raise Unstorable(
             "dedup_key",

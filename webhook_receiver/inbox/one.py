@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 
 from ..database import autocommit_connection, transaction, write_transaction, writer_turn
 from ..database_driver import driver_cursor
 from ..extensions import db
-from ..models import utcnow
+from ..models import Event, utcnow
 from . import duplicates
 from .logs import log_delivery, log_outcome
 from .messages import Accepted, Conflict, Duplicate, Message, Outcome
@@ -22,6 +24,8 @@ from .rows import (
     postgresql_receipt,
 )
 from .statements import Statements, for_engine
+
+_events = Event.__table__
 
 
 def receive(message: Message, *, fast: bool = True) -> Outcome:
@@ -49,7 +53,10 @@ def receive(message: Message, *, fast: bool = True) -> Outcome:
             log_delivery("accepted", message, event_id)
             return Accepted(event_id)
         if stored is not None:
-            return _settle_existing(engine, statements, message, values, stored)
+            outcome = _settle_existing(engine, statements, message, values, stored)
+            if outcome is not None:
+                return outcome
+            # Its event was purged since the read: the key is free, store it.
         # A racing copy won the insert after this one's read: read what it stored.
     raise RuntimeError("receipt did not settle")  # pragma: no cover
 
@@ -142,16 +149,26 @@ def _settle_existing(
     message: Message,
     values: dict[str, Any],
     stored: EventUnderKey,
-) -> Outcome:
-    """A message whose key is taken: a duplicate, or a conflict kept for review."""
+) -> Outcome | None:
+    """A message whose key is taken: a duplicate, or a conflict kept for review.
+
+    None when the event was purged since it was read (``flask purge``): its
+    conflict would refer to no event.
+    """
     if stored.fingerprint == message.fingerprint:
         # The answer needs nothing more than the stored event; the count is
         # bookkeeping, written in a batch (see duplicates.py).
         duplicates.record(stored.id, values["received_at"])
         log_delivery("duplicate", message, stored.id)
         return Duplicate(stored.id)
-    with transaction(engine) as conn:
-        keep_conflict(conn, statements, stored.id, message, values["received_at"])
+    try:
+        with transaction(engine) as conn:
+            keep_conflict(conn, statements, stored.id, message, values["received_at"])
+    except IntegrityError:
+        with autocommit_connection() as conn:
+            if conn.execute(select(_events.c.id).where(_events.c.id == stored.id)).first():
+                raise
+        return None
     outcome = Conflict(stored.id)
     log_outcome(message, outcome)
     return outcome

@@ -147,3 +147,18 @@ def init_app(app: Flask) -> None:
     if app.testing or already_configured():
         return
     configure(fmt, level)
+
+
+def loggable(value: Any) -> str | None:
+    """``value`` if a JSON log line can name it: text of at most 512 characters, UTF-8, no NUL.
+
+    orjson writes no lone surrogate (the whole line would be lost), and a
+    longer value is no key an operator searches for.
+    """
+    if not isinstance(value, str) or len(value) > 512 or "\x00" in value:
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return None
+    return value

@@ -81,13 +81,29 @@ class Metrics:
         )
         self.signature_failures = counter(
             "signature_failures",
-            "Deliveries refused as unauthentic, by reason (signature or timestamp).",
+            "Deliveries refused as unauthentic, by reason (signature, timestamp, or unreadable "
+            "before its signature could be checked).",
+            ("source", "reason"),
+        )
+        # Authentic deliveries only: an unauthentic one is a signature failure.
+        self.webhook_refusals = counter(
+            "webhook_refusals",
+            "Authentic deliveries refused for what they hold (no dedup key, invalid payload, "
+            "unsupported media type), by reason.",
             ("source", "reason"),
         )
         self.broker_dead_letters = counter(
             "broker_dead_letters",
             "Broker messages dead-lettered by the consumer (conflict, no key, bad payload).",
             ("source", "reason"),
+        )
+        # Client names come from the config and reasons are problem types:
+        # bounded, whatever a caller sends.
+        self.api_refusals = counter(
+            "api_refusals",
+            "API requests answered with a 4xx problem (bad token, malformed Idempotency-Key, "
+            "body not an event, media type, key in use or reused), by client and reason.",
+            ("client", "reason"),
         )
         self.replays = counter(
             "replays", "Saved Idempotency-Key responses replayed, per source.", ("source",)
@@ -153,10 +169,24 @@ def conflict(source: str, count: int = 1) -> None:
 
 
 def signature_failure(source: str, reason: str) -> None:
-    """Count a delivery refused as unauthentic (``reason``: signature or timestamp)."""
+    """Count a delivery refused as unauthentic (``reason``: signature, timestamp, unreadable)."""
     m = _metrics()
     if m is not None:
         m.signature_failures.labels(source, reason).inc()
+
+
+def webhook_refusal(source: str, reason: str) -> None:
+    """Count an authentic delivery refused for what it holds (``reason``: the problem's slug)."""
+    m = _metrics()
+    if m is not None:
+        m.webhook_refusals.labels(source, reason).inc()
+
+
+def api_refusal(client: str | None, reason: str) -> None:
+    """Count an API request answered with a 4xx problem (``client``: None when unauthenticated)."""
+    m = _metrics()
+    if m is not None:
+        m.api_refusals.labels(client or "", reason).inc()
 
 
 def broker_dead_letter(source: str, reason: str) -> None:
@@ -342,12 +372,30 @@ def _token_as_written(app: Flask) -> None:
     app.config["METRICS_TOKEN"] = token
 
 
+def _make_multiprocess_dir() -> None:
+    # gunicorn.conf.py makes it for the web processes; a worker or consumer
+    # started first, or alone (a directory under /run emptied by a reboot),
+    # would fail to open its file at every count, and lose the counts.
+    path = multiprocess_dir()
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{MULTIPROC_ENV} {path!r} cannot be made: {exc.strerror}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{MULTIPROC_ENV} {path!r} is not a directory this process can write")
+
+
 def init_app(app: Flask) -> None:
     """Give the app its metrics, time its requests and serve ``/metrics``."""
     _token_as_written(app)
+    _make_multiprocess_dir()
     app.extensions[EXTENSION] = Metrics(CollectorRegistry(auto_describe=True))
     app.extensions[EXTENSION].registry.register(_DeliveryBacklog())
     app.extensions[EXTENSION].registry.register(_Circuits())
-    app.before_request(_start_timer)
+    # First of the before_request functions: a request refused by an earlier
+    # one (problems.py's check of a chunked body) is timed too.
+    app.before_request_funcs.setdefault(None, []).insert(0, _start_timer)
     app.after_request(_observe)
     app.register_blueprint(bp)

@@ -79,7 +79,23 @@ def key_for(consumer: str, body: bytes, version_pointer: str, entity_pointer: st
     qualified = f"{consumer}:{entity}"
     if len(qualified) > 512:
         return None
+    if not (_storable(qualified) and _storable(encoded)):
+        # JSON's \u0000 or a lone surrogate escape: PostgreSQL's text holds
+        # no NUL and neither database encodes a surrogate, so every attempt
+        # would fail on its ordering check.
+        log.warning("event's version/entity cannot be stored, applying unordered")
+        return None
     return Key(qualified, encoded)
+
+
+def _storable(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def resolve_pointer(document: Any, pointer: str) -> Any:

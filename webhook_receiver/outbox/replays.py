@@ -329,6 +329,19 @@ def advance(
     return _rowcount(result) == 1
 
 
+def renew(held: Held, lease_until: datetime) -> bool:
+    """Hold the replay until ``lease_until`` while its process rests; False if lost.
+
+    The caller commits.
+    """
+    result = db.session.execute(
+        update(_r)
+        .where(_r.c.id == held.id, _r.c.lease_token == held.token, _r.c.finished_at.is_(None))
+        .values(lease_expires_at=lease_until)
+    )
+    return _rowcount(result) == 1
+
+
 def finish(held: Held, now: datetime) -> bool:
     """Mark the replay done, letting its lease go; False if it was lost. The caller commits."""
     result = db.session.execute(

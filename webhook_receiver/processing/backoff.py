@@ -13,6 +13,8 @@ from email.utils import parsedate_to_datetime
 
 # Worth retrying: the downstream is overloaded, timed out or broken for now.
 RETRYABLE_STATUSES = frozenset({408, 429})
+# No retry waits longer than a century: next_attempt_at stays a date.
+MAX_DELAY_SECONDS = 100 * 365.25 * 24 * 3600
 
 
 def is_retryable_status(status: int) -> bool:
@@ -36,11 +38,14 @@ def delay_seconds(
     retry together. A ``Retry-After`` from the downstream is a floor: never
     sooner than it asked, up to ``retry_after_cap``.
     """
-    step = min(cap, base * 2 ** max(0, attempt - 1))
+    # Past 2**63 every step is the cap: a forward allowed thousands of
+    # attempts reached 2**1024, which no float holds (OverflowError).
+    step = min(cap, base * 2 ** min(max(0, attempt - 1), 63))
     delay = step / 2 + rand() * step / 2
     if retry_after is not None:
         delay = max(delay, min(retry_after, retry_after_cap))
-    return delay
+    # Caps set past any date (inf, 1e15): the retry's time must be one.
+    return min(delay, MAX_DELAY_SECONDS)
 
 
 def parse_retry_after(value: str | None, now: datetime) -> float | None:

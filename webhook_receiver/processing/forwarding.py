@@ -24,7 +24,7 @@ from standardwebhooks.webhooks import Webhook
 
 from .. import tracing
 from ..config import ForwardConfig
-from . import attempts, publishers
+from . import attempts, deadline, publishers
 from .backoff import is_retryable_status
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
     """The request headers of a forward."""
     correlation_id = out.correlation_id or f"event-{out.event_id}"
     headers = {
-        "Content-Type": out.content_type or "application/octet-stream",
+        "Content-Type": _header_value(out.content_type or "application/octet-stream"),
         "Idempotency-Key": idempotency_key(consumer, out.source, out.dedup_key, out.key_replay),
-        "X-Request-Id": correlation_id,
+        "X-Request-Id": _header_value(correlation_id),
         "X-Webhook-Source": out.source,
         "X-Webhook-Event-Id": str(out.event_id),
         "User-Agent": USER_AGENT,
@@ -94,6 +94,22 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
         headers["X-Webhook-Event-Type"] = out.event_type
     tracing.outgoing(headers, out.traceparent, correlation_id)
     return headers
+
+
+def _header_value(value: str) -> str:
+    """``value`` as it is, or percent-encoded when no header can carry it.
+
+    A broker message's correlation id (or content type) is any text: a character past
+    Latin-1 (http.client raises UnicodeEncodeError), a line break or a
+    leading white space (requests refuses the header) could never be sent.
+    """
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return quote(value, safe="")
+    if "\r" in value or "\n" in value or value[:1].isspace():
+        return quote(value, safe="")
+    return value
 
 
 def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
@@ -116,25 +132,37 @@ def send(http: requests.Session, consumer: str, forward: ForwardConfig, out: Out
 
 
 def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
-    try:
-        response = http.post(
-            forward.url,
-            data=out.body,
-            headers=_signed(headers_for(consumer, out), forward, out.body),
-            timeout=forward.timeout_seconds,
-            # A redirect would turn the POST into a GET; the URL is wrong.
-            allow_redirects=False,
-            stream=True,
-        )
-    except requests.Timeout as exc:
-        return Result(ok=False, retryable=True, error=_stored_error(f"timeout: {exc}", forward))
-    except requests.RequestException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        return Result(ok=False, retryable=True, error=_stored_error(error, forward))
-    with response:
-        status = response.status_code
-        snippet = _read_some(response)
-        retry_after = response.headers.get("Retry-After")
+    # The timeout bounds the whole attempt, the answer's reading too: a
+    # target trickling it out must not hold the worker past its lease.
+    deadline.mount(http)
+    with deadline.bounded(forward.timeout_seconds) as bound:
+        try:
+            response = http.post(
+                forward.url,
+                data=out.body,
+                headers=_signed(headers_for(consumer, out), forward, out.body),
+                timeout=forward.timeout_seconds,
+                # A redirect would turn the POST into a GET; the URL is wrong.
+                allow_redirects=False,
+                stream=True,
+            )
+        except requests.RequestException as exc:
+            if isinstance(exc, requests.Timeout):
+                error = f"timeout: {exc}"
+            elif bound.expired:
+                error = f"timeout: no whole answer within {forward.timeout_seconds:g} s"
+            else:
+                error = f"{type(exc).__name__}: {exc}"
+            return Result(ok=False, retryable=True, error=_stored_error(error, forward))
+        if bound.expired:
+            # Cut in its headers, which http.client takes for their end.
+            response.close()
+            error = f"timeout: no whole answer within {forward.timeout_seconds:g} s"
+            return Result(ok=False, retryable=True, error=_stored_error(error, forward))
+        with response:
+            status = response.status_code
+            snippet = _read_some(response)
+            retry_after = response.headers.get("Retry-After")
     kept = attempts.response_text(snippet, forward)
     if 200 <= status < 300:
         return Result(ok=True, retryable=False, status=status, response_body=kept)

@@ -9,8 +9,10 @@ consumers without any global state.
 A handler is called as ``func(event, session)`` inside the transaction that
 also marks its delivery done: its writes and the done-marker commit together
 or not at all. It must not commit or roll back the session itself. Raising
-retries the delivery later with backoff; raising :class:`PermanentFailure`
-makes it dead at once.
+retries the delivery later with backoff (so does a statement of its own
+cancelled by the statement or lock timeout, or its transaction left idle
+past PostgreSQL's idle_in_transaction_session_timeout); raising
+:class:`PermanentFailure` makes it dead at once.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def handler(
     ``filter`` is a JMESPath expression over the event's JSON body: only
     events it finds true get a delivery (a bad one is a ConfigError here).
     """
+
+    if max_attempts is not None and (
+        not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
+    ):
+        # As a forward's: 0 would make every delivery dead before it ran.
+        raise ValueError(f"handler max_attempts must be a positive integer, not {max_attempts!r}")
 
     def decorate(func: HandlerFunc) -> HandlerFunc:
         spec = HandlerSpec(

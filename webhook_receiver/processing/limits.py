@@ -4,8 +4,9 @@ Both live in the database (``outbox/circuits.py``), so every worker process
 on every host sees one circuit and one rate per target. Before the call,
 :meth:`Gates.enter` reads the circuit (an open one in its cool-down, or a
 half-open one whose probe is in flight, holds the delivery back), reserves
-a send under ``max_per_second`` (a send due within a second is waited for
-here, a later one holds the delivery back until then), and makes the
+a send under ``max_per_second`` (a send due within a second, and within
+what the lease leaves beyond the call, is waited for here; a later one
+holds the delivery back until then), and makes the
 attempt the probe of a circuit whose cool-down is over. After it,
 :meth:`Gates.leave` records the answer: a retryable failure counts towards
 opening the circuit, any answer resets the count, and a probe closes or
@@ -39,7 +40,8 @@ HELD = "held"
 # How long a delivery waits for a circuit's probe in flight before it looks again.
 RECHECK_SECONDS = 1.0
 # A send the rate limit allows within this many seconds is waited for in the
-# delivery's thread; a later one holds the delivery back.
+# delivery's thread (less when its lease is short: _max_wait); a later one
+# holds the delivery back.
 MAX_WAIT_SECONDS = 1.0
 
 Target = tuple[str, str]
@@ -55,6 +57,19 @@ class Pass:
     probe: str | None = None
     # Failures in a row the circuit had when read: an answer resets them.
     failures: int = 0
+
+
+def _max_wait(claim: Claim, forward: ForwardConfig, now: datetime) -> float:
+    """How long this delivery may wait for its rate limit's slot, in its thread.
+
+    At most :data:`MAX_WAIT_SECONDS`, and never into the share of the lease
+    the startup check keeps for the call and what follows it (twice the
+    forward's timeout): a short timeout's lease may be shorter than the
+    wait and the call, and a lease that expires mid-call lets a second
+    worker send too. A later slot holds the delivery back instead.
+    """
+    left = (claim.lease_expires_at - now).total_seconds() - 2 * forward.timeout_seconds
+    return max(0.0, min(MAX_WAIT_SECONDS, left))
 
 
 class Gates:
@@ -112,7 +127,7 @@ class Gates:
         if forward.max_per_second is not None:
             with self.watch("worker rate limit"), unit_of_work():
                 slot = circuits.take_slot(
-                    source, name, now, forward.max_per_second, MAX_WAIT_SECONDS
+                    source, name, now, forward.max_per_second, _max_wait(claim, forward, now)
                 )
             if slot.wait is None:
                 ready = datetime.fromtimestamp(max(slot.ready, now.timestamp()), UTC)

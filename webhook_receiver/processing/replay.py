@@ -12,10 +12,10 @@ a read of the next batch's ids, then one short transaction per batch, so a
 replay of 100,000 deliveries never holds a long transaction, and a rest
 after each batch (``rest`` times as long as the batch took) leaves the
 database to the intake. The process running it holds it under a lease that
-each batch renews: one that died is resumed by a worker after its last
-batch. The worker then sends the deliveries as any other pending ones,
-with the same Idempotency-Key, or ``:replay-<n>`` after it when a new key
-was asked for.
+each batch, and a long rest every third of the lease, renews: one that
+died is resumed by a worker after its last batch. The worker then sends
+the deliveries as any other pending ones, with the same Idempotency-Key,
+or ``:replay-<n>`` after it when a new key was asked for.
 """
 
 from __future__ import annotations
@@ -184,15 +184,45 @@ def resume(
         after = ids[-1]
         if len(ids) < size:
             break
-        if held.rest:
-            pause = held.rest * (time.monotonic() - started)
-            if stop is not None:
-                stop.wait(pause)
-            else:
-                time.sleep(pause)
+        if held.rest and not _rest(held, held.rest * (time.monotonic() - started), clock, stop):
+            log.warning("replay %s: taken over by another process, stopping", held.id)
+            return Progress(consumers, finished=False)
     with unit_of_work():
         finished = replays.finish(held, clock())
     return Progress(consumers, finished)
+
+
+def _rest(
+    held: replays.Held,
+    pause: float,
+    clock: Callable[[], datetime],
+    stop: threading.Event | None,
+) -> bool:
+    """Wait ``pause`` seconds (less if ``stop`` is set), holding the replay; False if lost.
+
+    A rest longer than the lease let a worker take a running replay over as
+    if its process had died: the lease is renewed every third of it.
+    """
+    end = time.monotonic() + pause
+    step = LEASE.total_seconds() / 3
+    while (left := end - time.monotonic()) > 0:
+        if stop is not None:
+            if stop.wait(min(left, step)):
+                return True  # the loop stops and lets the replay go
+        else:
+            time.sleep(min(left, step))
+        if end - time.monotonic() <= 0:
+            return True  # the next batch renews it
+        try:
+            with unit_of_work():
+                if not replays.renew(held, clock() + LEASE):
+                    return False
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            # The next batch waits for the database too, and is fenced.
+            log.warning("replay %s: database unavailable, lease not renewed: %s", held.id, exc)
+    return True
 
 
 def run(

@@ -29,6 +29,7 @@ import queue
 import random
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -42,11 +43,15 @@ from typing import Any
 import requests
 from flask import Flask
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
 from .. import tracing
 from ..config import ConfigError
 from ..database import (
     autocommit_connection,
+    damage_message,
+    driver_error_in,
+    is_damaged,
     is_sqlite,
     is_unavailable,
     stall_watch,
@@ -77,6 +82,10 @@ class _Snapshot:
     traceparent: str | None = None
     # The target's circuit breaker, read with the event (limits.Gates).
     circuit: circuits.Circuit | None = None
+
+
+# A claim's stand-in for an event not read (purged, or the read met an outage).
+_UNREAD = _Snapshot(None, None, None, None, b"", None)
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,10 @@ class Worker:
 
     def _check_lease(self) -> None:
         for forward in self.registry.forwards():
-            # requests applies the timeout to the connect and to each read.
+            # A call ends within its timeout (each publisher bounds the
+            # attempt as a whole); as much again is kept for the rest: the
+            # claim, the event's read, the outcome's write. A rate limit's
+            # wait never eats into it (limits._max_wait).
             if self.lease.total_seconds() <= 2 * forward.timeout_seconds:
                 raise ConfigError(
                     f"WORKER_LEASE_SECONDS ({self.lease.total_seconds():g}) must exceed twice "
@@ -215,7 +227,15 @@ class Worker:
         return slots.done
 
     def _log_failure(self, exc: Exception) -> None:
-        if is_unavailable(exc):
+        if is_damaged(exc):
+            # Waited out as an outage, but no wait ends it: an operator must.
+            log.error(
+                "worker %s: %s",
+                self.name,
+                damage_message(exc),
+                extra={"worker": self.name, "outage": "database"},
+            )
+        elif is_unavailable(exc):
             # The database is away, locked, read-only (a standby after a
             # failover) or too slow (the statement timeout): wait, then retry.
             log.warning(
@@ -296,27 +316,17 @@ class Worker:
 
     def process(self, claim: Claim) -> AttemptOutcome:
         """Run one claimed delivery to its next state."""
-        with self._watch("worker event read"):
-            event = db.session.execute(
-                select(
-                    Event.source,
-                    Event.dedup_key,
-                    Event.event_type,
-                    Event.content_type,
-                    Event.body,
-                    Event.correlation_id,
-                    Event.meta[tracing.META_KEY].as_string(),
-                    *circuits.COLUMNS,
-                )
-                .select_from(circuits.joined(claim.consumer))
-                .where(Event.id == claim.event_id)
-            ).one_or_none()
-            # End the read, so that the next transaction opens with its write.
+        try:
+            event = self._read_event(claim)
+        except Exception as exc:
             db.session.rollback()
+            if not is_unavailable(exc):
+                raise
+            # Nothing ran yet: no attempt spent on the database's outage.
+            return self._give_back(claim, _UNREAD, exc)
         if event is None:
             # Purged since the claim; its deliveries went with it.
-            gone = _Snapshot(None, None, None, None, b"", None)
-            return self._outcome(claim, gone, LEASE_LOST, error="event deleted")
+            return self._outcome(claim, _UNREAD, LEASE_LOST, error="event deleted")
         columns = len(circuits.COLUMNS)
         snap = _Snapshot(*event[:-columns])
         snap = replace(snap, circuit=circuits.of_row(snap.source, claim.consumer, event[-columns:]))
@@ -351,6 +361,27 @@ class Worker:
                 span.set_attribute("outcome", outcome.outcome)
         return outcome
 
+    def _read_event(self, claim: Claim) -> Any:
+        """The claimed delivery's event and its target's circuit (None: purged since)."""
+        with self._watch("worker event read"):
+            event = db.session.execute(
+                select(
+                    Event.source,
+                    Event.dedup_key,
+                    Event.event_type,
+                    Event.content_type,
+                    Event.body,
+                    Event.correlation_id,
+                    Event.meta[tracing.META_KEY].as_string(),
+                    *circuits.COLUMNS,
+                )
+                .select_from(circuits.joined(claim.consumer))
+                .where(Event.id == claim.event_id)
+            ).one_or_none()
+            # End the read, so that the next transaction opens with its write.
+            db.session.rollback()
+        return event
+
     def _ordering_key(self, consumer: Consumer, snap: _Snapshot) -> ordering.Key | None:
         rule = self.registry.ordering.get(snap.source)
         if rule is None:
@@ -361,6 +392,7 @@ class Worker:
         claim, consumer, snap, key = run.claim, run.consumer, run.snap, run.key
         assert consumer.handler is not None
         now = self.clock()
+        in_handler = called = False
         try:
             # One transaction: the handler's writes and the done-marker commit together.
             with unit_of_work() as session:
@@ -370,17 +402,33 @@ class Worker:
                     deliveries.mark_skipped(claim, now, ordering.STALE)
                     return self._skipped_as_stale(claim, snap)
                 event = session.get(Event, claim.event_id, populate_existing=True)
+                in_handler = called = True
                 consumer.handler.func(event, session)
+                # Its pending writes are its own statements too.
+                session.flush()
+                in_handler = False
                 if not deliveries.mark_delivered(claim, self.clock()):
                     raise _LeaseLost()
                 self._log_attempt(claim, attempt_log.DELIVERED)
         except _LeaseLost:
             return self._outcome(claim, snap, LEASE_LOST)
         except Exception as exc:
+            # The session ended for idling: the idle time was the handler's,
+            # whichever statement (its own, or the done-marker) met the end.
+            idled = called and _idle_timed_out(exc)
+            if is_unavailable(exc) and not idled and not (in_handler and _timed_out(exc)):
+                # The database failed, not the handler: no attempt spent.
+                return self._give_back(claim, snap, exc)
             # The handler's own writes went with the rollback; the failure is
             # recorded on its own.
             permanent = isinstance(exc, PermanentFailure)
             error = f"{type(exc).__name__}: {exc}"
+            if idled:
+                error = (
+                    "the handler kept its transaction idle past PostgreSQL's "
+                    "idle_in_transaction_session_timeout and the server ended the "
+                    f"session: {getattr(exc, 'orig', None) or exc}"
+                )
             log.debug("handler %s failed", consumer.name, exc_info=True)
             return self._fail(claim, snap, error, None, None, run.limit, permanent=permanent)
         return self._outcome(claim, snap, DELIVERED)
@@ -389,9 +437,15 @@ class Worker:
         claim, consumer, snap, key = run.claim, run.consumer, run.snap, run.key
         assert consumer.forward is not None
         if key is not None:
-            with self._watch("worker ordering check"), unit_of_work():
-                if ordering.skip_if_stale(claim, snap.source, key, self.clock()):
-                    return self._skipped_as_stale(claim, snap)
+            try:
+                with self._watch("worker ordering check"), unit_of_work():
+                    if ordering.skip_if_stale(claim, snap.source, key, self.clock()):
+                        return self._skipped_as_stale(claim, snap)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                # Nothing was sent: no attempt spent on the database's outage.
+                return self._give_back(claim, snap, exc)
         out = forwarding.Outgoing(
             event_id=claim.event_id,
             source=snap.source,
@@ -403,11 +457,18 @@ class Worker:
             traceparent=snap.traceparent,
             key_replay=claim.key_replay,
         )
-        gate = self.gates.enter(claim, snap.source, consumer.forward, snap.circuit)
+        try:
+            gate = self.gates.enter(claim, snap.source, consumer.forward, snap.circuit)
+        except Exception as exc:
+            db.session.rollback()
+            if not is_unavailable(exc):
+                raise
+            # Nothing was sent: no attempt spent on the database's outage.
+            return self._give_back(claim, snap, exc)
         if not isinstance(gate, limits.Pass):
             return self._outcome(claim, snap, limits.HELD, next_attempt_at=gate)
         result = forwarding.send(self._session(), consumer.name, consumer.forward, out)
-        self.gates.leave(gate, consumer.forward, failed=not result.ok and result.retryable)
+        self._leave(gate, consumer.forward, result)
         self._note_result(result)
         if not result.ok:
             return self._fail(
@@ -431,14 +492,63 @@ class Worker:
             return self._outcome(
                 claim, snap, DELIVERED if marked else LEASE_LOST, status=result.status
             )
-        with self._watch("worker outcome"), unit_of_work():
-            self._log_attempt(claim, attempt_log.DELIVERED, status=result.status)
-            if not deliveries.mark_delivered(claim, now, result.status):
-                return self._outcome(claim, snap, LEASE_LOST, status=result.status)
-            # Already sent, so it is delivered either way; the version only
-            # moves forward.
-            ordering.advance(snap.source, key, claim.event_id, now)
-        return self._outcome(claim, snap, DELIVERED, status=result.status)
+
+        def write() -> bool:
+            with self._watch("worker outcome"), unit_of_work():
+                self._log_attempt(claim, attempt_log.DELIVERED, status=result.status)
+                if not deliveries.mark_delivered(claim, now, result.status):
+                    return False
+                # Already sent, so it is delivered either way; the version
+                # only moves forward.
+                ordering.advance(snap.source, key, claim.event_id, now)
+            return True
+
+        marked = self._through_outage(claim, write)
+        return self._outcome(claim, snap, DELIVERED if marked else LEASE_LOST, status=result.status)
+
+    def _give_back(self, claim: Claim, snap: _Snapshot, exc: Exception) -> AttemptOutcome:
+        """Give a delivery the database kept from running back, unattempted, due shortly.
+
+        Its event's read, a handler's transaction, or a forward's ordering
+        check or gates before its call.
+        """
+        until = self.clock() + timedelta(seconds=max(self.poll_seconds, 1.0))
+        log.warning(
+            "worker %s: database unavailable while delivery %s ran; given back unattempted: %s",
+            self.name,
+            claim.id,
+            getattr(exc, "orig", None) or exc,
+            extra={"worker": self.name, "outage": "database", "delivery_id": claim.id},
+        )
+
+        def write() -> bool:
+            with self._watch("worker hold back"), unit_of_work():
+                return circuits.hold_back(claim, self.clock(), until)
+
+        self._through_outage(claim, write)
+        return self._outcome(claim, snap, limits.HELD, next_attempt_at=until)
+
+    def _leave(self, gate: limits.Pass, forward: Any, result: forwarding.Result) -> None:
+        """Record the answer on the target's circuit; an outage there keeps no outcome back.
+
+        The call is made: its outcome must still be written (it waits out the
+        outage within the lease). The circuit misses this one answer; a probe
+        left half-open is taken over when its time ends.
+        """
+        try:
+            self.gates.leave(gate, forward, failed=not result.ok and result.retryable)
+        except Exception as exc:
+            db.session.rollback()
+            if not is_unavailable(exc):
+                raise
+            log.warning(
+                "worker %s: database unavailable, the circuit of %s (%s) misses an answer: %s",
+                self.name,
+                gate.consumer,
+                gate.source,
+                getattr(exc, "orig", None) or exc,
+                extra={"worker": self.name, "outage": "database"},
+            )
 
     def _skipped_as_stale(self, claim: Claim, snap: _Snapshot) -> AttemptOutcome:
         """Log the attempt skipped (a newer version is applied), in the marking unit of work."""
@@ -549,14 +659,48 @@ class Worker:
         writers' turn). Either way the row is written even if the lease was
         lost, and nothing of the delivery changes then.
         """
-        with self._watch("worker outcome"):
-            if self.attempt_log and not is_sqlite():
-                attempt = self._attempt(claim, outcome, status=status, error=error)
-                with autocommit_connection() as connection:
-                    return attempts.add_with_outcome(connection, attempt, claim, now, values)
-            with unit_of_work():
-                self._log_attempt(claim, outcome, status=status, error=error)
-                return deliveries.finish(claim, now, values)
+
+        def write() -> bool:
+            with self._watch("worker outcome"):
+                if self.attempt_log and not is_sqlite():
+                    attempt = self._attempt(claim, outcome, status=status, error=error)
+                    with autocommit_connection() as connection:
+                        return attempts.add_with_outcome(connection, attempt, claim, now, values)
+                with unit_of_work():
+                    self._log_attempt(claim, outcome, status=status, error=error)
+                    return deliveries.finish(claim, now, values)
+
+        return self._through_outage(claim, write)
+
+    def _through_outage(self, claim: Claim, write: Callable[[], bool]) -> bool:
+        """Run an outcome's ``write``, again while the database is away, within the claim's lease.
+
+        The attempt is over: a write given up at once left the delivery in
+        progress until its lease ended, to be sent again, and dead if that
+        was its last attempt, for the worker's own database. Past the lease
+        the error goes up (another worker may hold the delivery by then).
+        """
+        remaining = (claim.lease_expires_at - self.clock()).total_seconds()
+        give_up = time.monotonic() + remaining
+        pause = 0.25
+        while True:
+            try:
+                return write()
+            except Exception as exc:
+                db.session.rollback()
+                if not is_unavailable(exc) or time.monotonic() + pause >= give_up:
+                    raise
+                log.warning(
+                    "worker %s: database unavailable, writing the outcome of delivery %s "
+                    "again in %g s: %s",
+                    self.name,
+                    claim.id,
+                    pause,
+                    getattr(exc, "orig", None) or exc,
+                    extra={"worker": self.name, "outage": "database", "delivery_id": claim.id},
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
 
     def _log_attempt(
         self, claim: Claim, outcome: str, *, status: int | None = None, error: str | None = None
@@ -707,6 +851,34 @@ class _Slots:
             self._free += 1
             self._changes += 1
             self._changed.notify_all()
+
+
+def _timed_out(exc: Exception) -> bool:
+    """Tell a statement that waited past its limit (a lock, its time) on a database still there.
+
+    A handler's own such statement fails the same way each time: handed
+    back uncounted it was retried for ever, never dead.
+    """
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return False
+    return driver_error_in(exc, sqlite_codes=_SQLITE_LOCK_WAITS, sqlstates=_PG_TIMEOUTS)
+
+
+def _idle_timed_out(exc: Exception) -> bool:
+    """Tell a session the server ended for idling in its transaction (its connection gone).
+
+    Not the database away: the same handler idles as long each time, and
+    handed back uncounted it was retried for ever.
+    """
+    return driver_error_in(exc, sqlite_codes=(), sqlstates=(_PG_IDLE_TIMEOUT,))
+
+
+# idle_in_transaction_session_timeout: the server ends the session (FATAL).
+_PG_IDLE_TIMEOUT = "25P03"
+# query_canceled (the statement timeout), lock_not_available (the lock timeout).
+_PG_TIMEOUTS = frozenset({"57014", "55P03"})
+# Busy or locked past the busy timeout.
+_SQLITE_LOCK_WAITS = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
 
 
 def _target(claim: Claim) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from .. import correlation, events, inbox, rejections, tracing
 from ..fingerprint import JSONError, canonical_json, fingerprint, is_json_type, loads
 from ..inbox.messages import Unstorable
 from ..observability import metrics
+from ..observability.logging import loggable
 from ..problems import Problem
 from .providers import (
     Identified,
@@ -28,10 +29,12 @@ from .providers import (
     MissingKeyError,
     Part,
     PayloadError,
+    Provider,
     SignatureError,
     SourceConfig,
     TimestampError,
     decoded,
+    fingerprinted,
     get_provider,
     needs_json,
     parts,
@@ -50,6 +53,20 @@ class Receipt:
     outcome: str  # accepted | duplicate | conflict | immediate
     body: dict[str, Any]
     event_id: int | None = None
+
+
+# What an authentic delivery may be refused for: logged, counted and listed in Rejections.
+_REFUSED_AUTHENTIC = frozenset({"payload-invalid", "dedup-key-missing", "unsupported-media-type"})
+# A delivery refused before its signature could be checked: a signature failure's reason.
+UNREADABLE = "unreadable"
+
+
+class _Refusal(Problem):
+    """A delivery refused once its key was read: the key is for the log line, not the answer."""
+
+    def __init__(self, slug: str, detail: str, dedup_key: str) -> None:
+        super().__init__(slug, detail)
+        self.dedup_key = loggable(dedup_key)
 
 
 def accepted_body(event_id: int) -> dict[str, Any]:
@@ -71,6 +88,9 @@ def receive(
     try:
         provider.verify(inbound, source)
     except PayloadError as exc:  # malformed before any signature is checked
+        # Its sender is unknown: counted and listed beside the forgeries (one
+        # row a minute per address), never as a signed delivery's refusal.
+        _reject(source, UNREADABLE, str(exc), remote_addr)
         raise Problem("payload-invalid", str(exc)) from exc
     except SignatureError as exc:
         reason = "timestamp" if isinstance(exc, TimestampError) else "signature"
@@ -79,6 +99,36 @@ def receive(
             "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
             str(exc),
         ) from exc
+    try:
+        return _receive_verified(
+            source,
+            provider,
+            inbound,
+            parsed,
+            json_error,
+            json_required,
+            content_type,
+            headers,
+            body,
+        )
+    except Problem as problem:
+        if problem.slug in _REFUSED_AUTHENTIC:
+            _refused(source, problem, remote_addr)
+        raise
+
+
+def _receive_verified(
+    source: SourceConfig,
+    provider: Provider,
+    inbound: Inbound,
+    parsed: Any,
+    json_error: str | None,
+    json_required: bool,
+    content_type: str,
+    headers: Headers,
+    body: bytes,
+) -> Receipt:
+    """Identify and store a delivery whose signature passed; raise a Problem to refuse it."""
     try:
         verified = decoded(inbound, source)
     except PayloadError as exc:
@@ -108,7 +158,7 @@ def receive(
         return Receipt("immediate", identified.immediate_response)
 
     is_json = parsed is not None
-    content = canonical_json(parsed) if is_json else body
+    content = canonical_json(fingerprinted(parsed, source)) if is_json else body
     # The content decides the fingerprint; signatures, timestamps and retry
     # counters change per attempt and must not.
     print_ = fingerprint([identified.event_type or "", content])
@@ -119,20 +169,25 @@ def _store_batch(
     source: SourceConfig, batch: list[Part], content_type: str, headers: Headers
 ) -> Receipt:
     """Store each event of a verified batch as its own, all in one transaction, or none."""
+    if not batch:
+        # A valid batch with nothing to store: new, never a replay of anything.
+        return Receipt("accepted", {"status": "accepted", "events": []})
     redacted = _redacted(source, headers)
-    # Each event is stored as a structured delivery of it would be: its own
-    # JSON, so the fingerprint matches that delivery's.
+    # Each event is stored as its own JSON, and fingerprinted as a
+    # structured or binary delivery of it would be (the canonical form), so
+    # the same event sent alone and in a batch is one.
     # (A media type's case is not significant: the batch was read as one in any case.)
     entry_type = _BATCH_TYPE.sub("cloudevents+json", content_type, count=1)
     traceparent = tracing.current_traceparent(headers.get("traceparent"))
     messages = []
     for part in batch:
         content = canonical_json(part.json)
+        covered = canonical_json(fingerprinted(part.canonical, source))
         try:
             message = inbox.Message.build(
                 source=source.name,
                 dedup_key=part.identified.dedup_key,
-                fingerprint=fingerprint([part.identified.event_type or "", content]),
+                fingerprint=fingerprint([part.identified.event_type or "", covered]),
                 body=content,
                 event_type=part.identified.event_type,
                 content_type=entry_type or None,
@@ -142,14 +197,15 @@ def _store_batch(
                 traceparent=traceparent,
             )
         except Unstorable as exc:
-            raise _refusal(exc) from exc
+            raise _refusal(exc, part.identified.dedup_key) from exc
         messages.append(message)
     by_key: dict[str, str] = {}
     for message in messages:
         if by_key.setdefault(message.dedup_key, message.fingerprint) != message.fingerprint:
-            raise Problem(
+            raise _Refusal(
                 "payload-invalid",
                 f"the batch holds two different events with the key {message.dedup_key}",
+                message.dedup_key,
             )
     try:
         with tracing.span("inbox receive_many", source=source.name, messages=len(messages)):
@@ -178,21 +234,24 @@ def _redacted(source: SourceConfig, headers: Headers) -> tuple[tuple[str, str], 
     return events.redact_headers(headers.items(), redacted_headers(source))
 
 
-def _refusal(exc: Unstorable) -> Problem:
+def _refusal(exc: Unstorable, dedup_key: str) -> Problem:
     """The answer to a delivery Message.build refused: 400, or 415 for its Content-Type."""
     # PostgreSQL refuses a NUL in text and a value longer than its column
     # with an error (a 500, retried for days), where SQLite stores both:
     # Message.build refuses them up front, the same way on both.
     if exc.field == "content_type":
-        return Problem("unsupported-media-type", f"the Content-Type header: {exc}")
-    return Problem("payload-invalid", str(exc))
+        return _Refusal("unsupported-media-type", f"the Content-Type header: {exc}", dedup_key)
+    return _Refusal("payload-invalid", str(exc), dedup_key)
 
 
 def _parse(body: bytes, content_type: str, required: bool) -> tuple[Any, str | None]:
     if not (required or is_json_type(content_type)):
         return None, None
     try:
-        return loads(body), None
+        # A lone surrogate's escape ("\ud800", RFC 8259 8.2) is JSON: the body
+        # is stored as sent (the escape is ASCII) and canonical_json writes it
+        # back; only a key or type holding one is refused, naming it.
+        return loads(body, lone_surrogates=True), None
     except JSONError as exc:
         return None, str(exc)
 
@@ -219,7 +278,7 @@ def _store(
             traceparent=tracing.current_traceparent(headers.get("traceparent")),
         )
     except Unstorable as exc:
-        raise _refusal(exc) from exc
+        raise _refusal(exc, identified.dedup_key) from exc
     with tracing.span("inbox receive", source=source.name, dedup_key=message.dedup_key):
         outcome = inbox.receive(message)
     if isinstance(outcome, inbox.Accepted):
@@ -235,6 +294,29 @@ def _store(
         "this delivery is kept for review",
         event_id=outcome.event_id,
     )
+
+
+def _refused(source: SourceConfig, problem: Problem, remote_addr: str | None) -> None:
+    """Log, count and list an authentic delivery refused for what it holds."""
+    # The sender is who it says: it will retry the same delivery, refused
+    # each time; an operator must see it (a log line, a counter, a row).
+    detail = problem.detail or problem.title
+    # The key, when it was read: the provider's delivery is found by it.
+    key = problem.dedup_key if isinstance(problem, _Refusal) else None
+    log.warning(
+        "delivery refused",
+        extra={
+            "outcome": f"refused_{problem.slug}",
+            "source": source.name,
+            "reason": detail,
+            "correlation_id": correlation.current(),
+            **({"dedup_key": key} if key is not None else {}),
+        },
+    )
+    metrics.webhook_refusal(source.name, problem.slug)
+    # Its own reason, not the slug: a broker message dead-lettered for the
+    # same problem is listed as "dedup-key-missing" or "payload-invalid".
+    rejections.record(source.name, f"refused-{problem.slug}", detail, remote_addr)
 
 
 def _reject(source: SourceConfig, reason: str, detail: str, remote_addr: str | None) -> None:

@@ -86,13 +86,13 @@ def test_malformed_headers(header: str) -> None:
         P.verify(inbound(BODY, {"Paddle-Signature": header}), source("paddle", SECRET))
 
 
-def test_identify_notification_id_is_the_key() -> None:
+def test_identify_event_id_is_the_key() -> None:
     ident = P.identify(inbound(BODY), source("paddle", SECRET))
-    assert ident.dedup_key == "ntf_01h8bzam1z32agrxjwhjgqk8w6"
+    assert ident.dedup_key == "evt_01h8bzakzx3hm2fmen703n5q45"
     assert ident.event_type == "transaction.created"
-    assert ident.meta == {"paddle_event_id": "evt_01h8bzakzx3hm2fmen703n5q45"}
+    assert ident.meta == {"paddle_notification_id": "ntf_01h8bzam1z32agrxjwhjgqk8w6"}
 
 
-def test_identify_without_notification_id() -> None:
+def test_identify_without_event_id() -> None:
     with pytest.raises(MissingKeyError):
-        P.identify(inbound(json.dumps({"event_id": "evt_1"})), source("paddle", SECRET))
+        P.identify(inbound(json.dumps({"notification_id": "ntf_1"})), source("paddle", SECRET))

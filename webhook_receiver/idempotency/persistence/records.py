@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, delete, not_, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import OperationalError
 
@@ -380,7 +380,39 @@ def purge_expired_batch(now: datetime, batch_size: int) -> int:
     return result.rowcount
 
 
-def evict(record_id: int) -> bool:
-    """Delete one record (an operator's action); return whether it existed. The caller commits."""
-    result = cast(CursorResult[Any], db.session.execute(delete(_t).where(_t.c.id == record_id)))
-    return result.rowcount == 1
+EVICTED, RUNNING, GONE = "evicted", "running", "gone"
+
+
+def _running(now: datetime) -> Any:
+    """A record whose request runs now: in progress under a live lease, not expired."""
+    return and_(_t.c.state == IN_PROGRESS, _t.c.lease_expires_at > now, _t.c.expires_at > now)
+
+
+def is_running(record: Any, now: datetime) -> bool:
+    """Whether a record already read is one ``evict`` keeps: its request runs now."""
+    lease = record.lease_expires_at
+    return (
+        record.state == IN_PROGRESS
+        and lease is not None
+        and lease > now
+        and record.expires_at > now
+    )
+
+
+def evict(record_id: int, now: datetime) -> str:
+    """Delete one record (an operator's action) unless its request is running now.
+
+    Returns ``EVICTED``, ``RUNNING`` (left alone) or ``GONE`` (no such record).
+    A running request's record stays: without it the client's retry would
+    run the request a second time beside the first. A completed, expired
+    or abandoned (lease run out) record goes, so its key runs afresh. The
+    test is in the DELETE itself, so a claim racing it cannot slip between.
+    The caller commits.
+    """
+    deleted = db.session.execute(
+        delete(_t).where(_t.c.id == record_id, not_(_running(now))).returning(_t.c.id)
+    ).first()
+    if deleted is not None:
+        return EVICTED
+    running = db.session.scalar(select(_t.c.id).where(_t.c.id == record_id, _running(now)))
+    return RUNNING if running is not None else GONE

@@ -19,15 +19,21 @@ import hashlib
 import logging
 import socket
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from ...config import ForwardConfig, redact_url
 from .base import BrokerMessage, PublishError, PublishRefused
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SCHEMES = frozenset({"amqp", "amqps"})
 _PERSISTENT = 2
@@ -37,55 +43,115 @@ _PRECONDITION_FAILED = 406
 _TOO_LARGE = "larger than configured max size"
 
 
-class _ConfirmTimedOut(Exception):
-    """The broker did not confirm within the forward's timeout (raised inside pika's wait)."""
+class _TimedOut(Exception):
+    """The attempt's time is up (raised inside pika's wait for the broker)."""
 
 
 _local = threading.local()
 
 
-def _amqp_channel(forward: ForwardConfig) -> tuple[Any, Any]:
-    """This thread's connection and confirming channel to the forward's broker."""
+def _amqp_channel(forward: ForwardConfig, deadline: float) -> tuple[Any, Any]:
+    """This thread's connection and confirming channel to the forward's broker.
+
+    A new one is opened by ``deadline`` (``time.monotonic()``): the
+    connection (TCP, TLS, the AMQP handshake) within what is left of it,
+    then its channel and the confirm mode, whose answers pika's blocking
+    connection would wait for with no bound.
+    """
     channels: dict[str, tuple[Any, Any]] = _local.__dict__.setdefault("amqp", {})
     held = channels.get(forward.url)
     if held is not None and held[0].is_open and held[1].is_open:
         return held
     params = pika.URLParameters(forward.url)
-    params.socket_timeout = forward.timeout_seconds
-    # Connecting (TCP, TLS, the AMQP handshake) within the same bound: 15 s by default.
-    params.stack_timeout = forward.timeout_seconds
     params.blocked_connection_timeout = forward.timeout_seconds
     params.client_properties = {"connection_name": f"webhook-receiver forward {forward.name}"}
-    connection = pika.BlockingConnection(params)
-    channel = connection.channel()
-    channel.confirm_delivery()
+    connection = _connect(params, deadline)
+    try:
+        channel = _by_deadline(connection, deadline, connection.channel)
+        _by_deadline(connection, deadline, channel.confirm_delivery)
+    except BaseException:
+        _close(connection, quiet=True)
+        raise
     channels[forward.url] = (connection, channel)
     return connection, channel
 
 
-def _confirmed_publish(
-    connection: Any, channel: Any, timeout: float, *args: Any, **kwargs: Any
-) -> None:
-    """``basic_publish`` on a confirming channel, its wait for the confirm bounded by ``timeout``.
+def _connect(params: pika.URLParameters, deadline: float) -> Any:
+    """A connection by ``deadline``, whatever the addresses and tries.
 
-    pika's blocking channel waits for the confirm with no bound of its own,
-    and a broker can hold one back while its connection stays alive (a
-    quorum queue without a majority of its replicas): the worker would
-    hang. A timer of the connection's I/O loop, which runs inside that
-    wait, ends it by raising; the connection is then dropped (a confirm may
-    still be due on it). pika's blocking ``call_later`` would not do: its
-    callbacks only run in ``process_data_events``.
+    pika gives each try (each address the host resolves to, each of the
+    URL's ``connection_attempts``) its socket and stack timeouts in full,
+    with ``retry_delay`` between: an attempt could take several times its
+    timeout. Here the addresses are resolved first, and pika tries one at
+    a time, in the time left; a pause that would outlast it ends the
+    attempt.
+    """
+    if params.ssl_options is not None and params.ssl_options.server_hostname is None:
+        params.ssl_options.server_hostname = params.host  # the name, not an address, is verified
+    addresses = [
+        record[4]
+        for record in socket.getaddrinfo(
+            params.host, params.port, 0, socket.SOCK_STREAM, socket.IPPROTO_TCP
+        )
+    ]
+    cycles, pause = params.connection_attempts, params.retry_delay
+    params.connection_attempts = 1
+    error: Exception | None = None
+    for cycle in range(cycles):
+        if cycle:
+            if pause >= deadline - time.monotonic():
+                break
+            time.sleep(pause)
+        for address in addresses:
+            if error is not None and time.monotonic() >= deadline:
+                raise error
+            params.host = _host(address)
+            params.socket_timeout = params.stack_timeout = _left(deadline)
+            try:
+                return pika.BlockingConnection(params)
+            except (pika.exceptions.AMQPError, AMQPConnectorException, OSError) as exc:
+                error = exc
+    assert error is not None
+    raise error
+
+
+def _host(address: tuple[Any, ...]) -> str:
+    """The host of a resolved socket address, with an IPv6 address's scope if it has one."""
+    if len(address) == 4 and address[3]:
+        return f"{address[0]}%{address[3]}"
+    return str(address[0])
+
+
+def _left(deadline: float) -> float:
+    """The seconds left until ``deadline``; the attempt's time is up when none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _TimedOut
+    return left
+
+
+def _by_deadline(connection: Any, deadline: float, call: Callable[[], T]) -> T:
+    """``call()`` on ``connection``, its waits for the broker ended at ``deadline``.
+
+    pika's blocking connection waits for a confirm (or a channel's opening)
+    with no bound of its own, and a broker can hold one back while its
+    connection stays alive (a quorum queue without a majority of its
+    replicas): the worker would hang. A timer of the connection's I/O loop,
+    which runs inside that wait, ends it by raising; the connection is then
+    dropped (an answer may still be due on it). pika's blocking
+    ``call_later`` would not do: its callbacks only run in
+    ``process_data_events``.
     """
     impl = connection._impl  # private: see above
-    timer = impl._adapter_call_later(timeout, _confirm_timed_out)
+    timer = impl._adapter_call_later(_left(deadline), _timed_out)
     try:
-        channel.basic_publish(*args, **kwargs)
+        return call()
     finally:
         impl._adapter_remove_timeout(timer)
 
 
-def _confirm_timed_out() -> None:
-    raise _ConfirmTimedOut
+def _timed_out() -> None:
+    raise _TimedOut
 
 
 def close_thread_connections() -> None:
@@ -95,17 +161,23 @@ def close_thread_connections() -> None:
 
 
 def _drop_amqp(url: str, *, quiet: bool = False) -> None:
-    """Close this thread's connection to the forward's broker (``quiet``: it stopped answering).
+    """Close this thread's connection to the forward's broker (``quiet``: it stopped answering)."""
+    held = _local.__dict__.get("amqp", {}).pop(url, None)
+    if held is not None:
+        _close(held[0], quiet=quiet)
+
+
+def _close(connection: Any, *, quiet: bool) -> None:
+    """Close ``connection`` (``quiet``: the broker stopped answering).
 
     pika's close waits for the broker's Close-Ok, for ever: when the broker
     went quiet the socket is shut first, so that the close ends at once.
     """
-    held = _local.__dict__.get("amqp", {}).pop(url, None)
-    if held is None or not held[0].is_open:
+    if not connection.is_open:
         return
     sock = None
     if quiet:
-        transport = getattr(held[0]._impl, "_transport", None)  # private: see above
+        transport = getattr(connection._impl, "_transport", None)  # private: see above
         sock = getattr(transport, "_sock", None)
         if isinstance(sock, socket.socket):
             try:
@@ -113,7 +185,7 @@ def _drop_amqp(url: str, *, quiet: bool = False) -> None:
             except OSError:
                 pass
     try:
-        held[0].close()
+        connection.close()
     except (pika.exceptions.AMQPError, OSError):
         pass
     if isinstance(sock, socket.socket):
@@ -164,26 +236,36 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             f"the routing key is longer than AMQP's {_SHORT_STRING} bytes: {routing_key[:60]!r}..."
         )
     properties = _amqp_properties(message)
+    # The whole attempt, a new connection's opening included, ends within
+    # the forward's timeout: the worker's lease is only required to
+    # outlast twice that.
+    deadline = time.monotonic() + forward.timeout_seconds
     # A kept connection may have been closed by the broker while the worker
-    # was idle (missed heartbeats): one fresh connection is tried at once.
+    # was idle (missed heartbeats): one fresh connection is tried at once,
+    # in the time left.
     for fresh in (False, True):
+        opened = False
         try:
-            connection, channel = _amqp_channel(forward)
-            _confirmed_publish(
+            connection, channel = _amqp_channel(forward, deadline)
+            opened = True
+            _by_deadline(
                 connection,
-                channel,
-                forward.timeout_seconds,
-                forward.exchange,
-                routing_key,
-                message.body,
-                properties,
-                mandatory=True,
+                deadline,
+                partial(
+                    channel.basic_publish,
+                    forward.exchange,
+                    routing_key,
+                    message.body,
+                    properties,
+                    mandatory=True,
+                ),
             )
             return
-        except _ConfirmTimedOut as exc:
+        except _TimedOut as exc:
             _drop_amqp(forward.url, quiet=True)
+            waited = "confirm" if opened else "open channel"
             raise PublishError(
-                f"no confirm from the broker within {forward.timeout_seconds:g} s"
+                f"no {waited} from the broker within {forward.timeout_seconds:g} s"
             ) from exc
         except pika.exceptions.UnroutableError as exc:
             raise PublishError(
@@ -200,9 +282,11 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
                     f"broker: {exc.reply_text}"
                 ) from exc
             raise PublishError(f"channel closed by the broker: {exc.reply_text}") from exc
-        except (pika.exceptions.AMQPError, OSError) as exc:
+        # pika raises its connection workflow's own errors (a handshake past
+        # stack_timeout), which are not AMQPErrors.
+        except (pika.exceptions.AMQPError, AMQPConnectorException, OSError) as exc:
             _drop_amqp(forward.url)
-            if fresh:
+            if fresh or deadline - time.monotonic() <= 0:
                 raise PublishError(
                     f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}"
                 ) from exc

@@ -5,7 +5,8 @@ dropped a republish of a message it has (the ``Nats-Msg-Id`` is the
 forward's stable key). A message larger than the server's ``max_payload``
 (1 MB by default) or the stream's ``max_msg_size`` goes dead at once: no
 attempt gets past either. One event loop per process serves every thread's
-publishes, on one connection per URL.
+publishes, on one connection per URL. ``timeout_seconds`` bounds the whole
+attempt: a first connect and the wait for the PubAck share it.
 """
 
 from __future__ import annotations
@@ -128,9 +129,13 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             forward.subject or "", message.body, timeout=forward.timeout_seconds, headers=headers
         )
 
+    timeout = forward.timeout_seconds
     try:
-        # A PubAck, duplicate or not, means the stream holds the message.
-        loop.run(go(), timeout=forward.timeout_seconds * 2)
+        # A PubAck, duplicate or not, means the stream holds the message. One
+        # deadline for the connect and the PubAck together: each had the
+        # whole timeout, twice what the worker's lease is sized for. The
+        # wait here only backs the loop's own up.
+        loop.run(asyncio.wait_for(go(), timeout), timeout=timeout + 5)
     except nats.js.errors.NoStreamResponseError as exc:
         raise PublishError(f"no JetStream stream takes subject {forward.subject!r}") from exc
     except nats.errors.MaxPayloadError as exc:
@@ -145,5 +150,10 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             f"the message ({len(message.body)} bytes of body) is larger than the stream "
             f"taking {forward.subject!r} takes: {exc}"
         ) from exc
-    except (nats.errors.Error, OSError, TimeoutError) as exc:
+    except TimeoutError as exc:  # nats-py's own timeouts are TimeoutErrors too
+        raise PublishError(
+            f"no PubAck from {redact_url(forward.url)} within {timeout:g} s "
+            f"(its connect included): {type(exc).__name__}"
+        ) from exc
+    except (nats.errors.Error, OSError) as exc:
         raise PublishError(f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}") from exc

@@ -10,7 +10,8 @@ for a session that has subscribed. One client per URL and process (paho's
 network thread, which reconnects by itself, once a second while the
 broker is away), shared by the worker's threads; a publish not
 acknowledged within ``timeout_seconds`` fails and is retried with the
-same ``message-id``.
+same ``message-id``. The timeout bounds the whole attempt: the wait for
+the connection and the wait for its PUBACK share it.
 
 A message the broker can never take goes dead at once rather than being
 sent: a text (the event type, the correlation id, the content type) with
@@ -29,6 +30,7 @@ from __future__ import annotations
 import re
 import ssl
 import threading
+import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -128,6 +130,9 @@ class _Publisher:
         ).start()
 
     def publish(self, topic: str, message: BrokerMessage, timeout: float) -> None:
+        # One deadline for the connect and the PUBACK together: each had the
+        # whole timeout, twice what the worker's lease is sized for.
+        deadline = time.monotonic() + timeout
         properties = Properties(PacketTypes.PUBLISH)
         content_type = message.content_type or "application/octet-stream"
         properties.ContentType = content_type
@@ -141,7 +146,7 @@ class _Publisher:
             _check_text(f"{name!r} user property's name", name)
             _check_text("event type" if name == "type" else f"{name!r} user property", value)
         properties.UserProperty = user
-        if not self.connected.wait(timeout):
+        if not self.connected.wait(_left(deadline)):
             raise PublishError(f"not connected to {redact_url(self.url)} within {timeout} s")
         limit = self.max_packet_size
         size = _publish_size(topic, properties, message.body)
@@ -155,7 +160,7 @@ class _Publisher:
             _drop(self)
             raise PublishError(f"publish to {redact_url(self.url)}: {mqtt.error_string(info.rc)}")
         try:
-            info.wait_for_publish(timeout)
+            info.wait_for_publish(_left(deadline))
         except (RuntimeError, ValueError) as exc:  # paho: the connection went away
             _drop(self)
             raise PublishError(f"{redact_url(self.url)}: {exc}") from exc
@@ -170,6 +175,11 @@ class _Publisher:
             )
         if reason is not None and reason.is_failure:
             raise PublishError(f"{redact_url(self.url)} refused the message: {reason}")
+
+
+def _left(deadline: float) -> float:
+    """The seconds left until ``deadline`` (``time.monotonic()``); none once it has passed."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _port(scheme: str) -> int:

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 import google.api_core.exceptions as api_exceptions
+import google.api_core.retry as api_retry
 from google.cloud import pubsub_v1
 from google.cloud.pubsub_v1.publisher import exceptions as publisher_exceptions
 
@@ -32,6 +33,21 @@ from .base import BrokerMessage, PublishError, PublishRefused
 SCHEMES = frozenset({"pubsub"})
 # The bytes an attribute's value may hold.
 MAX_ATTRIBUTE_VALUE = 1024
+
+# The client's own retry of a publish (its defaults: these codes, 0.1 s
+# growing fourfold), but for as long as the attempt lasts, not 600 s.
+_RETRYABLE = api_retry.if_exception_type(
+    api_exceptions.Aborted,
+    api_exceptions.Cancelled,
+    api_exceptions.DeadlineExceeded,
+    api_exceptions.InternalServerError,
+    api_exceptions.ResourceExhausted,
+    api_exceptions.ServiceUnavailable,
+    api_exceptions.Unknown,
+)
+# How much longer than its timeout an attempt waits for the client's own
+# verdict: its clock starts in its thread, a little after ours.
+_GRACE = 0.5
 
 _clients: list[Any] = []
 _lock = threading.Lock()
@@ -63,9 +79,16 @@ def attributes(message: BrokerMessage) -> dict[str, str]:
 
 
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
+    seconds = forward.timeout_seconds
+    # The client publishes (and retries) in a thread of its own: bounded by
+    # the attempt's timeout, each call and the retries in all, it has given
+    # up by the time the attempt fails, rather than sending a copy later.
+    retry = api_retry.Retry(predicate=_RETRYABLE, initial=0.1, multiplier=4, timeout=seconds)
     try:
-        future = _publisher().publish(topic_path(forward), message.body, **attributes(message))
-        future.result(timeout=forward.timeout_seconds)
+        future = _publisher().publish(
+            topic_path(forward), message.body, retry=retry, timeout=seconds, **attributes(message)
+        )
+        future.result(timeout=seconds + _GRACE)
     except api_exceptions.InvalidArgument as exc:
         # Too large, or attributes Pub/Sub refuses: whatever the attempt.
         raise PublishRefused(f"Pub/Sub refused the message: {exc}") from exc
@@ -73,6 +96,10 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
         # The client's own check, before anything is sent: past Pub/Sub's 10 MB a request.
         raise PublishRefused(
             f"the message ({len(message.body)} bytes of body) is too large for Pub/Sub: {exc}"
+        ) from exc
+    except (api_exceptions.RetryError, api_exceptions.DeadlineExceeded, TimeoutError) as exc:
+        raise PublishError(
+            f"no answer from Pub/Sub within {seconds:g} s: {type(exc).__name__}: {exc}"
         ) from exc
     except api_exceptions.NotFound as exc:
         raise PublishError(f"no topic {topic_path(forward)!r}: {exc}") from exc

@@ -8,6 +8,15 @@ correlation id), ``X-Webhook-Source``, ``X-Webhook-Event-Id`` and, last,
 delivery done adds the entry again, under the same ``message_id``, which a
 consumer deduplicates on. One client (a connection pool) per URL and
 process, shared by the worker's threads.
+
+An attempt lasts ``timeout_seconds`` in all: redis-py's timeouts bound the
+connect and each read of the socket (a server answering a byte at a time
+holds it for ever), so the attempt's sockets are shut down when its time
+is up (:mod:`..deadline`), a ``rediss://`` connection's TLS handshake
+included. redis-py is told to retry nothing (its
+defaults differ by version and constructor: ``Redis()`` retries three
+times since 6.0, ``from_url``'s pool none in 8.x): the worker retries,
+with its backoff.
 """
 
 from __future__ import annotations
@@ -16,15 +25,46 @@ import threading
 from typing import Any
 
 import redis
+import redis.backoff
 import redis.exceptions
+import redis.retry
 
 from ...config import ForwardConfig, redact_url
+from .. import deadline
 from .base import BrokerMessage, PublishError
 
 SCHEMES = frozenset({"redis", "rediss"})
 
 _clients: dict[tuple[str, float], Any] = {}
 _lock = threading.Lock()
+
+
+class _Watched:
+    """A redis-py connection whose socket the running attempt's deadline shuts down."""
+
+    _sock: Any
+
+    def _connect(self) -> Any:
+        sock = super()._connect()  # type: ignore[misc]
+        deadline.watch_socket(sock)
+        return sock
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        deadline.watch_socket(self._sock)  # a pooled connection, reused by this attempt
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+class _WatchedConnection(_Watched, redis.Connection):
+    pass
+
+
+class _WatchedSSLConnection(redis.SSLConnection, _WatchedConnection):
+    """Watched from its TCP connect on: SSLConnection._connect wraps what ours returns.
+
+    Watched only once wrapped, the TLS handshake had the socket timeout of
+    its own, past the attempt's deadline (connect and handshake: up to
+    twice timeout_seconds).
+    """
 
 
 def _client(forward: ForwardConfig) -> Any:
@@ -37,7 +77,12 @@ def _client(forward: ForwardConfig) -> Any:
                 socket_connect_timeout=forward.timeout_seconds,
                 socket_timeout=forward.timeout_seconds,
                 client_name="webhook-receiver-forwards",
+                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
             )
+            pool = client.connection_pool
+            # rediss:// makes the pool's connections SSL ones (from the URL).
+            ssl = issubclass(pool.connection_class, redis.SSLConnection)
+            pool.connection_class = _WatchedSSLConnection if ssl else _WatchedConnection
         return client
 
 
@@ -54,7 +99,15 @@ def fields(message: BrokerMessage) -> dict[str, str | bytes]:
 
 
 def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
-    try:
-        _client(forward).xadd(forward.stream or "", fields(message))  # type: ignore[arg-type]
-    except (redis.exceptions.RedisError, OSError) as exc:
-        raise PublishError(f"{type(exc).__name__} on {redact_url(forward.url)}: {exc}") from exc
+    client = _client(forward)
+    with deadline.bounded(forward.timeout_seconds) as attempt:
+        try:
+            client.xadd(forward.stream or "", fields(message))  # type: ignore[arg-type]
+        except (redis.exceptions.RedisError, OSError) as exc:
+            where = redact_url(forward.url)
+            if attempt.expired:
+                raise PublishError(
+                    f"no XADD reply from {where} within {forward.timeout_seconds:g} s"
+                    f" (its connect included): {type(exc).__name__}: {exc}"
+                ) from exc
+            raise PublishError(f"{type(exc).__name__} on {where}: {exc}") from exc

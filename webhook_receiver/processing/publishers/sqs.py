@@ -15,6 +15,11 @@ SHA-256 too when SQS would refuse it as a ``MessageGroupId``: a source
 name past 128 characters, or with a space or a character outside ASCII).
 Credentials come from the standard AWS chain; one client per region and
 endpoint, shared by the worker's threads.
+
+An attempt lasts ``timeout_seconds`` in all: botocore's timeouts bound the
+connect and each read of the socket (an answer trickled out holds it for
+ever), so the attempt's sockets are shut down when its time is up
+(:mod:`..deadline`); botocore sends once, the worker retries.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import threading
 from typing import Any
 
 import boto3
+import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 
 from ...config import ForwardConfig
+from .. import deadline
 from .base import BrokerMessage, PublishError, PublishRefused
 
 SCHEMES = frozenset({"sqs"})
@@ -57,6 +64,33 @@ def queue_url(forward: ForwardConfig) -> str:
     return f"{base}/{path}"
 
 
+class _WatchedHTTPConnection(deadline.WatchedConnection, botocore.awsrequest.AWSHTTPConnection):
+    pass
+
+
+class _WatchedHTTPSConnection(deadline.WatchedConnection, botocore.awsrequest.AWSHTTPSConnection):
+    pass
+
+
+class _HTTPPool(botocore.awsrequest.AWSHTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _HTTPSPool(botocore.awsrequest.AWSHTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+def _watch(client: Any) -> None:
+    """Make ``client``'s connections register with the running attempt's deadline.
+
+    botocore's HTTP session (private) gives its pool manager, and each proxy
+    manager it makes later, these pool classes.
+    """
+    http = client._endpoint.http_session
+    http._pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+    http._manager.pool_classes_by_scheme = http._pool_classes_by_scheme
+
+
 def _client(forward: ForwardConfig) -> Any:
     key = (forward.region, forward.endpoint_url, forward.timeout_seconds)
     with _lock:
@@ -76,6 +110,7 @@ def _client(forward: ForwardConfig) -> Any:
                     retries={"total_max_attempts": 1, "mode": "standard"},
                 ),
             )
+            _watch(client)
         return client
 
 
@@ -110,11 +145,18 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
         request["MessageGroupId"] = _sqs_id(
             message.headers.get("X-Webhook-Source") or "webhook-receiver"
         )
-    try:
-        _client(forward).send_message(**request)
-    except botocore.exceptions.ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        error = PublishRefused if code in _REFUSED else PublishError
-        raise error(f"SQS refused the message ({code}): {exc}") from exc
-    except (botocore.exceptions.BotoCoreError, OSError) as exc:
-        raise PublishError(f"{type(exc).__name__}: {exc}") from exc
+    client = _client(forward)
+    with deadline.bounded(forward.timeout_seconds) as attempt:
+        try:
+            client.send_message(**request)
+        except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            error = PublishRefused if code in _REFUSED else PublishError
+            raise error(f"SQS refused the message ({code}): {exc}") from exc
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            if attempt.expired:
+                raise PublishError(
+                    f"no SendMessage answer within {forward.timeout_seconds:g} s"
+                    f" (its connect included): {type(exc).__name__}: {exc}"
+                ) from exc
+            raise PublishError(f"{type(exc).__name__}: {exc}") from exc

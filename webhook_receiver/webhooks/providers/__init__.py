@@ -9,6 +9,8 @@ cloudevents signature header is whatever ``source.signature_header`` names.
 
 from __future__ import annotations
 
+from typing import Any
+
 from werkzeug.datastructures import Headers
 
 from .base import (
@@ -97,6 +99,22 @@ def handshake(source: SourceConfig, headers: Headers) -> dict[str, str] | None:
     return answer(headers, source) if answer else None
 
 
+def fingerprinted(document: Any, source: SourceConfig) -> Any:
+    """The part of a verified JSON delivery its fingerprint covers.
+
+    Top-level members a provider rewrites on each attempt (its
+    ``volatile_members``, such as Stripe's ``pending_webhooks``) are left
+    out, so that a retry is a duplicate rather than a conflict; the body
+    is stored as sent.
+    """
+    provider = get_provider(source.provider)
+    volatile: frozenset[str] = getattr(provider, "volatile_members", frozenset())
+    if volatile and isinstance(document, dict) and not volatile.isdisjoint(document):
+        # Canonical JSON sorts the members: the order they are kept in is no matter.
+        return {name: document[name] for name in document.keys() - volatile}
+    return document
+
+
 def redacted_headers(source: SourceConfig) -> frozenset[str]:
     """Lower-case names of the headers to redact and keep out of the fingerprint for a source."""
     names = get_provider(source.provider).secret_headers
@@ -131,6 +149,7 @@ __all__ = [
     "StripeProvider",
     "TimestampError",
     "decoded",
+    "fingerprinted",
     "get_provider",
     "handshake",
     "needs_json",

@@ -41,6 +41,14 @@ def optional_header(inbound: Inbound, name: str) -> str | None:
     return value or None
 
 
+def raw(value: str, name: str) -> bytes:
+    """The bytes a header value was sent as (the server decoded them as Latin-1, PEP 3333)."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError as exc:
+        raise SignatureError(f"malformed {name} header") from exc
+
+
 def key_header(inbound: Inbound, name: str) -> str | None:
     """Return the header that carries the dedup key, sent once; None when missing or empty.
 
@@ -74,11 +82,11 @@ def any_match(expected: Iterable[bytes], given: Iterable[bytes]) -> bool:
     return any(hmac.compare_digest(e, g) for e in expected for g in given)
 
 
-def same_token(a: str, b: str) -> bool:
-    """Compare two shared tokens in constant time, length included."""
+def same_token(sent: bytes, secret: str) -> bool:
+    """Compare a token's bytes as sent with a secret's UTF-8, in constant time, length included."""
     # Hashing first keeps compare_digest from returning early on a length mismatch.
     return hmac.compare_digest(
-        hashlib.sha256(a.encode()).digest(), hashlib.sha256(b.encode()).digest()
+        hashlib.sha256(sent).digest(), hashlib.sha256(secret.encode()).digest()
     )
 
 
@@ -170,13 +178,42 @@ def check_tolerance(signed_at: int, inbound: Inbound, source: SourceConfig) -> N
         raise TimestampError("timestamp outside the tolerance")
 
 
-def dedup_key(value: Any) -> str:
-    """Validate a dedup key: a non-empty string of at most MAX_KEY_LENGTH (512) characters."""
+def dedup_key(value: Any, member: str | None = None) -> str:
+    """Validate a dedup key: a non-empty string of at most MAX_KEY_LENGTH (512) characters.
+
+    A key holding a lone surrogate (JSON's \\uD800-\\uDFFF escape, valid in
+    the body) is no text a database stores: a PayloadError that shows it,
+    and names ``member`` where the key came from one.
+    """
     if not isinstance(value, str) or not value.strip():
         raise MissingKeyError("no dedup key")
     if len(value) > MAX_KEY_LENGTH:
         raise MissingKeyError("dedup key too long")
+    if not value.isascii() and not _is_utf8(value):
+        where = f" (from {member})" if member else ""
+        shown = escaped_surrogates(value)
+        raise PayloadError(
+            f'the dedup key{where} "{shown[:80]}" holds a lone surrogate (\\uD800-\\uDFFF): '
+            "it cannot be stored as UTF-8 text"
+        )
     return value
+
+
+def escaped_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as an escape (``\\ud800``), which UTF-8 stores.
+
+    For text that is shown or kept beside the body (a log, the meta), never
+    for a key: a backslash already in the text reads the same.
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def pointer_text(value: Any) -> Any:
@@ -203,10 +240,14 @@ def str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def parse_json(body: bytes) -> Any:
-    """Parse a body the receipt code did not parse, raising PayloadError."""
+def parse_json(body: bytes, *, lone_surrogates: bool = False) -> Any:
+    """Parse a body the receipt code did not parse, raising PayloadError.
+
+    ``lone_surrogates``: as ``fingerprint.loads`` (accepted, for a provider
+    that fingerprints the value by canonical_json and stores the body as sent).
+    """
     try:
-        return loads(body)
+        return loads(body, lone_surrogates=lone_surrogates)
     except JSONError as exc:
         raise PayloadError(f"body is not valid JSON: {exc}") from exc
 

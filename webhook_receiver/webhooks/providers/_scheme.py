@@ -72,14 +72,6 @@ def signed_at(value: str, name: str) -> int:
     return int(when.timestamp())
 
 
-def _raw(value: str, name: str) -> bytes:
-    """The bytes a header value was sent as (the server decoded them as Latin-1, PEP 3333)."""
-    try:
-        return value.encode("latin-1")
-    except UnicodeEncodeError as exc:
-        raise SignatureError(f"malformed {name} header") from exc
-
-
 def _digest(value: str, source: SourceConfig) -> bytes | None:
     """Decode the signature header's value as the source says; None when malformed."""
     prefix = source.extra.get("signature_prefix")
@@ -105,10 +97,10 @@ def signed_message(inbound: Inbound, source: SourceConfig) -> tuple[bytes, int |
             name = source.extra["timestamp_header"]
             stamp = c.header(inbound, name)
             when = signed_at(stamp, name)
-            message += _raw(stamp, name)
+            message += c.raw(stamp, name)
         else:
             name = source.extra["id_header"]
-            message += _raw(c.header(inbound, name), name)
+            message += c.raw(c.header(inbound, name), name)
     return bytes(message), when
 
 

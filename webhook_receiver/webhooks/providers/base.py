@@ -62,10 +62,16 @@ class Identified:
 
 @dataclass(frozen=True)
 class Part:
-    """One event of a batched delivery: what it is, and its own JSON."""
+    """One event of a batched delivery: what it is, its own JSON, and what its fingerprint covers.
+
+    ``canonical`` is the event as a delivery of it alone would be
+    fingerprinted (CloudEvents' canonical form), so the same event sent
+    alone and in a batch is one; ``json`` is what is stored.
+    """
 
     identified: Identified
     json: Any
+    canonical: Any
 
 
 class Provider(Protocol):

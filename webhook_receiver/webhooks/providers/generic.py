@@ -54,7 +54,9 @@ class GenericProvider:
 
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Read the key (and the type, when configured) where the source says."""
-        key = c.dedup_key(_lookup(inbound, source.dedup_key, need_json=True, key=True))
+        key = c.dedup_key(
+            _lookup(inbound, source.dedup_key, need_json=True, key=True), source.dedup_key
+        )
         type_spec = source.extra.get("event_type")
         event_type = None
         if type_spec is not None:

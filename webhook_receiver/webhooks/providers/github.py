@@ -60,7 +60,8 @@ class GitHubProvider:
             # Two payloads would leave it open which one is the event.
             raise PayloadError("a GitHub form delivery carries exactly one payload field")
         try:
-            payload = loads(payloads[0].encode())
+            # As the receipt reads a JSON body: a lone surrogate's escape is JSON.
+            payload = loads(payloads[0].encode(), lone_surrogates=True)
         except JSONError as exc:
             raise PayloadError(f"the payload field is not JSON: {exc}") from exc
         return replace(inbound, json=payload)

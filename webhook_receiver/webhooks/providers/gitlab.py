@@ -15,7 +15,8 @@ class GitLabProvider:
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """The token must equal one of the secrets."""
-        token = c.header(inbound, "X-Gitlab-Token")
+        # The token's bytes as GitLab wrote them (UTF-8), as the generic scheme signs headers.
+        token = c.raw(c.header(inbound, "X-Gitlab-Token"), "X-Gitlab-Token")
         # Every secret is compared, so timing does not tell which (if any) matched.
         if not any([c.same_token(token, s) for s in c.secrets_of(source)]):
             raise SignatureError("token does not match")

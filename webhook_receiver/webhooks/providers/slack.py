@@ -1,5 +1,11 @@
 """Slack: ``X-Slack-Signature: v0=<hex>`` over ``v0:<timestamp>:<raw body>``; key is event_id.
 
+Events API requests only: Slack sends interactivity (``payload=<JSON>``)
+and slash commands form-encoded, with no event_id and never retried, and
+waits for an answer of their own (a modal's ``response_action``, a menu's
+options), which a receiver that stores and forwards cannot give; they are
+refused (400) saying so, once their signature is checked.
+
 Only ``event_callback`` requests carry an ``event_id``. The others are
 notices about the app, such as ``app_rate_limited``: they are answered 200
 ``{"status": "ignored", "type": ...}`` once their signature is checked, logged,
@@ -19,6 +25,7 @@ log = logging.getLogger(__name__)
 EVENT_CALLBACK = "event_callback"
 # An ignored callback's type is logged and echoed: real ones are short words.
 _MAX_TYPE_LENGTH = 100
+FORM = "application/x-www-form-urlencoded"
 
 
 class SlackProvider:
@@ -50,6 +57,15 @@ class SlackProvider:
             raise SignatureError("signature does not match")
         c.check_tolerance(signed_at, inbound, source)
 
+    def decode(self, inbound: Inbound, source: SourceConfig) -> Inbound:
+        """Refuse a verified form request (interactivity, a slash command); others as is."""
+        if inbound.content_type.partition(";")[0].strip().lower() == FORM:
+            raise PayloadError(
+                "a form-encoded Slack request (interactivity, a slash command) is not "
+                "received: the slack preset takes Events API requests (JSON) only"
+            )
+        return inbound
+
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """Answer the handshake and id-less notices at once; event_id survives Slack's retries."""
         payload = c.json_object(inbound)
@@ -80,6 +96,6 @@ class SlackProvider:
         event = payload.get("event")
         event_type = c.str_or_none(event.get("type")) if isinstance(event, dict) else None
         return Identified(
-            dedup_key=c.dedup_key(payload.get("event_id")),
+            dedup_key=c.dedup_key(payload.get("event_id"), "event_id"),
             event_type=event_type or c.str_or_none(payload.get("type")),
         )

@@ -76,5 +76,8 @@ class StandardProvider:
     def identify(self, inbound: Inbound, source: SourceConfig) -> Identified:
         """The message id is the same on every attempt; the type is the payload's ``type``."""
         payload = c.json_object(inbound)
-        key = c.key_header(inbound, f"{_family(inbound)}-id")
-        return Identified(dedup_key=c.dedup_key(key), event_type=c.str_or_none(payload.get("type")))
+        header = f"{_family(inbound)}-id"
+        return Identified(
+            dedup_key=c.dedup_key(c.key_header(inbound, header), header),
+            event_type=c.str_or_none(payload.get("type")),
+        )

@@ -12,6 +12,9 @@ class StripeProvider:
     name: str = "stripe"
     requires_json: bool = True
     secret_headers: frozenset[str] = frozenset({"stripe-signature"})
+    # The endpoints the event is still to be delivered to, counted anew on each
+    # attempt: a retry after another endpoint acknowledged carries a lower one.
+    volatile_members: frozenset[str] = frozenset({"pending_webhooks"})
 
     def verify(self, inbound: Inbound, source: SourceConfig) -> None:
         """Check any v1 signature against every secret, then the timestamp."""
@@ -23,5 +26,6 @@ class StripeProvider:
         """The event id stays the same when Stripe retries (and re-signs) a delivery."""
         event = c.json_object(inbound)
         return Identified(
-            dedup_key=c.dedup_key(event.get("id")), event_type=c.str_or_none(event.get("type"))
+            dedup_key=c.dedup_key(event.get("id"), "id"),
+            event_type=c.str_or_none(event.get("type")),
         )
