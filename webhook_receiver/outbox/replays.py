@@ -15,7 +15,8 @@ queued names it (``replay_id``), as do the attempts that follow.
 A bulk replay walks the matching deliveries by id, in batches: one read of
 the next batch's ids, then one short transaction that moves them and
 records how far it got (``advance``). ``up_to`` (the highest matching id
-when the count was shown) keeps deliveries made since out of it. The
+when the count was shown) keeps deliveries made since out of it, and
+the count itself caps how many it walks (``max_count``). The
 process running a replay holds it under a lease, renewed by each batch and
 fencing its writes: a replay whose process died is claimed by a worker and
 resumed after its last batch (``claim``). Data access only: the caller
@@ -169,11 +170,15 @@ def _replayable(now: datetime) -> ColumnElement[bool]:
     )
 
 
-def requeue(ids: Sequence[int], now: datetime, replay_id: int, *, new_key: bool) -> list[Any]:
+def requeue(
+    ids: Sequence[int], now: datetime, replay_id: int, *, new_key: bool, state: str = ""
+) -> list[Any]:
     """Put these deliveries back in the queue for replay ``replay_id``; the caller commits.
 
-    The condition is in the UPDATE itself: one a worker took since the read
-    is left alone. Returns the (id, consumer) of those moved.
+    The conditions are in the UPDATE itself: one a worker took since the
+    read is left alone, and so is one no longer in the ``state`` the replay
+    filters on (a dead one requeued and delivered since: sent again, it
+    would go twice). Returns the (id, consumer) of those moved.
     """
     if not ids:
         return []
@@ -192,11 +197,17 @@ def requeue(ids: Sequence[int], now: datetime, replay_id: int, *, new_key: bool)
     return list(
         db.session.execute(
             update(_d)
-            .where(_d.c.id.in_(list(ids)), _replayable(now))
+            .where(_d.c.id.in_(list(ids)), _replayable(now), *_in_state(state))
             .values(**values)
             .returning(_d.c.id, _d.c.consumer)
         ).all()
     )
+
+
+def _in_state(state: str) -> list[ColumnElement[bool]]:
+    # Only the state moves between a batch's read and its write: the
+    # consumer, the event and its source, type and receipt time do not.
+    return [_d.c.state == state] if state else []
 
 
 @dataclass(frozen=True)
@@ -235,6 +246,9 @@ def create(
     filters = flt.to_json()
     if limit is not None:
         filters["limit"] = limit
+    # At most the count shown: a delivery that came into the filter since
+    # (one retrying when counted, dead now) would take the replay past it.
+    max_count = matched if limit is None else min(limit, matched)
     token = secrets.token_hex(16)
     replay_id = int(
         db.session.execute(
@@ -248,7 +262,7 @@ def create(
                 matched=matched,
                 replayed=0,
                 up_to=up_to,
-                max_count=limit,
+                max_count=max_count,
                 after_id=0,
                 walked=0,
                 rest=rest,
@@ -258,7 +272,7 @@ def create(
             .returning(_r.c.id)
         ).scalar_one()
     )
-    return Held(replay_id, token, flt, new_key, up_to, limit, 0, 0, rest)
+    return Held(replay_id, token, flt, new_key, up_to, max_count, 0, 0, rest)
 
 
 def _free(now: datetime) -> ColumnElement[bool]:

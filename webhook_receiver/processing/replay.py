@@ -167,7 +167,9 @@ def resume(
         try:
             with unit_of_work():
                 now = clock()
-                moved = replays.requeue(ids, now, held.id, new_key=held.new_key)
+                moved = replays.requeue(
+                    ids, now, held.id, new_key=held.new_key, state=held.filter.state
+                )
                 if not replays.advance(
                     held,
                     after_id=ids[-1],
