@@ -100,3 +100,15 @@ def test_a_delivery_that_left_the_filtered_state_since_the_batch_read_is_left_al
     states = _states(app)
     assert states[ids[1]] == ("delivered", None)
     assert Counter(state for state, _ in states.values()) == {"pending": 3, "delivered": 1}
+
+
+def test_a_limit_past_32_bits_is_taken_as_no_limit_to_a_small_count(make_app, downstream, clock):
+    # The CLI takes --limit up to 2**63 - 1; the record's max_count is a
+    # 32-bit column, which PostgreSQL refused with a traceback.
+    app = _app(make_app, downstream)
+    _store_many(app, clock, 3)
+    result = app.test_cli_runner().invoke(
+        args=["deliveries", "replay", "--consumer", "billing", "--limit", str(2**40), "--yes"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "queued 3 deliveries again" in result.output
