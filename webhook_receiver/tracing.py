@@ -48,8 +48,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 EXTENSION = "webhook_receiver.tracing"
 # Where an event keeps its receipt's traceparent: a key of its meta.
 META_KEY = "traceparent"
-# W3C Trace Context, version 00: version-traceid-parentid-flags.
-TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+# W3C Trace Context: version-traceid-parentid-flags, lower-case hex only (as
+# the SDK's propagator reads it), between the blanks HTTP allows; a later
+# version may add fields after a dash, version 00 none.
+TRACEPARENT = re.compile(
+    r"[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^ \t]*)?[ \t]*"
+)
 _PROPAGATOR = TraceContextTextMapPropagator()
 # Not traced: probes and scrapes, many a minute, about nothing received.
 _EXCLUDED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -61,15 +65,24 @@ _LOGGER = logging.getLogger(__name__)
 
 
 def valid_traceparent(value: str | None) -> str | None:
-    """``value`` if it is a W3C traceparent with a real trace and parent id, else None."""
+    """``value`` as a version-00 traceparent if W3C calls it valid, else None.
+
+    A real trace and parent id; version ff is invalid, version 00 has four
+    fields only, and a later version is read for its first four (the W3C
+    rules the SDK's propagator follows: an event's stored trace is the same
+    whether tracing is on or off).
+    """
     if not value:
         return None
-    value = value.strip().lower()
-    match = TRACEPARENT.match(value)
-    if match is None or match.group(1) == "0" * 32 or match.group(2) == "0" * 16:
+    match = TRACEPARENT.fullmatch(value)
+    if match is None:
         return None
-    # W3C: version ff is invalid (the SDK's propagator ignores it too).
-    return None if value.startswith("ff-") else value
+    version, trace_id, parent_id, flags, more = match.groups()
+    if version == "ff" or (version == "00" and more) or trace_id == "0" * 32:
+        return None
+    if parent_id == "0" * 16:
+        return None
+    return f"00-{trace_id}-{parent_id}-{flags}"
 
 
 def configured() -> bool:
@@ -234,14 +247,20 @@ def _encode_span(out: Any, span: Any) -> None:
     parent = span.parent
     if parent:
         out.parent_span_id = parent.span_id.to_bytes(8, "big")
-    out.name = span.name
+    try:
+        out.name = span.name
+    except ValueError:  # see _text
+        out.name = _text(span.name)
     out.kind = _KINDS[span.kind]
     out.start_time_unix_nano = span.start_time
     out.end_time_unix_nano = span.end_time
     _set_attributes(out.attributes, span.attributes)
     for event in span.events:
         encoded = out.events.add()
-        encoded.name = event.name
+        try:
+            encoded.name = event.name
+        except ValueError:
+            encoded.name = _text(event.name)
         encoded.time_unix_nano = event.timestamp
         _set_attributes(encoded.attributes, event.attributes)
         encoded.dropped_attributes_count = event.dropped_attributes
@@ -257,7 +276,10 @@ def _encode_span(out: Any, span: Any) -> None:
     if status.status_code is not trace.StatusCode.UNSET:
         out.status.code = status.status_code.value
     if status.description:
-        out.status.message = status.description
+        try:
+            out.status.message = status.description
+        except ValueError:  # an exception's text, which may quote what a client sent
+            out.status.message = _text(status.description)
     # Zero is proto3's default: not set, not sent.
     if span.dropped_attributes:
         out.dropped_attributes_count = span.dropped_attributes
@@ -273,12 +295,15 @@ def _set_attributes(out: Any, attributes: Mapping[str, Any] | None) -> None:
         return
     for key, value in attributes.items():
         pair = out.add()
-        pair.key = key
         try:
+            pair.key = key
             _set_value(pair.value, value)
-        except TypeError as error:  # left out, as the exporter's encoder does
+        # Left out, as the exporter's encoder does: a type OTLP has not, a
+        # lone surrogate (no UTF-8) or an integer past 64 bits (ValueErrors
+        # of protobuf's). Raised, it would cost the whole batch.
+        except (TypeError, ValueError) as error:
             del out[-1]
-            _LOGGER.error("Failed to encode key %s: %s", key, error)
+            _LOGGER.error("Failed to encode key %r: %s", key, error)
 
 
 def _set_value(out: Any, value: Any) -> None:
@@ -309,6 +334,18 @@ def _set_value(out: Any, value: Any) -> None:
             _set_value(pair.value, item)
     else:
         raise TypeError(f"Invalid type {type(value)} of value {value}")
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str) -> str:
+    """``value`` with each lone surrogate replaced by U+FFFD: a string protobuf can hold.
+
+    Where the exporter's encoder would fail the whole batch (a span's or an
+    event's name, a status message), one character is replaced instead.
+    """
+    return _SURROGATES.sub("\ufffd", value)
 
 
 class _HeaderGetter(Getter[Any]):
@@ -475,14 +512,15 @@ def outgoing(headers: MutableMapping[str, str], stored: str | None, correlation_
         _PROPAGATOR.inject(headers)
         if "traceparent" in headers:
             return
-    trace_id = None
+    trace_id, flags = None, "01"
     stored = valid_traceparent(stored)
     if stored is not None:
-        trace_id = stored.split("-")[1]
+        # Not tracing, the receiver decides no sampling: the sender's flags go on.
+        _, trace_id, _, flags = stored.split("-")
     elif re.fullmatch(r"[0-9a-f]{32}", correlation_id) and correlation_id != "0" * 32:
         trace_id = correlation_id
     if trace_id is not None:
-        headers["traceparent"] = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+        headers["traceparent"] = f"00-{trace_id}-{secrets.token_hex(8)}-{flags}"
 
 
 def traceparent_in(headers: Mapping[str, Any] | None) -> str | None:
