@@ -62,11 +62,20 @@ def test_client_forwards_apply_to_its_api_source():
         ({"name": "b", "url": "http://x/", "concurrency": True}, "concurrency"),
         ({"name": "b", "url": "http://x/", "concurrency": 1.5}, "concurrency"),
         ({"name": "b", "url": "http://x/", "headers": {}}, "unknown key"),
+        # Slower than one send a day: its next send fell past the year 9999,
+        # and every claim of the target's deliveries raised OverflowError.
+        ({"name": "b", "url": "http://x/", "max_per_second": 1e-12}, "max_per_second"),
+        ({"name": "b", "url": "http://x/", "max_per_second": 0.000009}, "max_per_second"),
     ],
 )
 def test_bad_forwards_are_refused(forward, message):
     with pytest.raises(ConfigError, match=message):
         _parse(forward=[forward])
+
+
+def test_the_slowest_rate_limit_is_one_send_a_day():
+    config = _parse(forward=[{"name": "b", "url": "http://x/", "max_per_second": 0.00001}])
+    assert config.forwards["shop"][0].max_per_second == 0.00001
 
 
 def test_two_forwards_of_one_name_are_refused():

@@ -78,6 +78,10 @@ SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
+# The slowest rate limit: one send per 100,000 s (a little over a day).
+MIN_PER_SECOND = 0.00001
+
+
 @dataclass(frozen=True)
 class CircuitBreakerConfig:
     """A forward's ``circuit_breaker``: consecutive failures that open it, and its cool-down."""
@@ -202,9 +206,14 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
         if max_per_second is not None and (
             not isinstance(max_per_second, int | float)
             or isinstance(max_per_second, bool)
-            or not 0 < max_per_second <= 100_000
+            # Slower than about one send a day, a target's next send could
+            # fall past what a timestamp holds.
+            or not MIN_PER_SECOND <= max_per_second <= 100_000
         ):
-            raise ConfigError(f"{here} max_per_second must be a number above 0 (at most 100000)")
+            raise ConfigError(
+                f"{here} max_per_second must be a number from {MIN_PER_SECOND:g}"
+                " (about one send a day) to 100000"
+            )
         if any(f.name == name for f in result):
             raise ConfigError(f"{where} two forwards are named {name!r}")
         result.append(
