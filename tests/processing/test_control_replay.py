@@ -7,10 +7,16 @@ another operator would move it.
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from sqlalchemy import select, update
+from sqlalchemy import create_engine, select, text, update
+from sqlalchemy.engine import make_url
 
+from webhook_receiver import database
 from webhook_receiver.extensions import db
 from webhook_receiver.models import Delivery, Replay
 from webhook_receiver.outbox import replays as outbox_replays
@@ -112,3 +118,77 @@ def test_a_limit_past_32_bits_is_taken_as_no_limit_to_a_small_count(make_app, do
     )
     assert result.exit_code == 0, result.output
     assert "queued 3 deliveries again" in result.output
+
+
+@contextmanager
+def _database_away(db_url: str) -> Iterator[Callable[[], None]]:
+    """A real outage of this test's database, begun by the callable it yields, ended after."""
+    if db_url.startswith("sqlite:///"):
+        holder = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            # Another process's write lock, held past the (lowered) busy timeout.
+            yield lambda: holder.execute("BEGIN EXCLUSIVE")
+        finally:
+            holder.close()
+        return
+    url = make_url(db_url)
+    admin = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    name = url.database
+
+    def cut_off() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+
+    try:
+        yield cut_off
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+
+
+def test_a_cli_replay_cut_off_by_an_outage_says_a_worker_resumes_it_and_one_does(
+    make_app, downstream, clock, db_url, monkeypatch
+):
+    # The operator used to get the generic "database cannot be reached" and
+    # nothing of the replay already recorded: running it again queued its
+    # deliveries twice.
+    monkeypatch.setattr(database, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    app = _app(make_app, downstream)
+    _store_many(app, clock, 5)
+    real_requeue = outbox_replays.requeue
+    with _database_away(db_url) as cut_off:
+
+        def away_at_the_first_batch(*args, **kwargs):
+            cut_off()
+            return real_requeue(*args, **kwargs)
+
+        monkeypatch.setattr(outbox_replays, "requeue", away_at_the_first_batch)
+        result = app.test_cli_runner().invoke(
+            args=["deliveries", "replay", "--consumer", "billing", "--yes"]
+        )
+    monkeypatch.setattr(outbox_replays, "requeue", real_requeue)
+    assert result.exit_code == 1, result.output
+    assert "replay 1 stopped part-way: the database cannot be reached" in result.output
+    assert "flask worker` resumes it where it stopped" in result.output
+    assert "Do not run the command again" in result.output
+    assert "Traceback" not in result.output
+    with app.app_context():
+        db.session.remove()  # the connections the outage ended
+        runner = replay.Runner(app, threading.Event(), 1.0, clock=clock)
+        assert not runner.run_once()  # its lease is live
+        clock.advance(replay.LEASE.total_seconds() + 1)
+        assert runner.run_once()
+    states = _states(app)
+    assert Counter(replay_id for _, replay_id in states.values()) == {1: 5}
+    with app.app_context():
+        [record] = db.session.scalars(select(Replay)).all()
+        assert (record.matched, record.replayed, record.finished_at is not None) == (5, 5, True)
+        db.session.rollback()

@@ -217,7 +217,10 @@ def replay_command(
         click.echo(f"note: {replay.SAME_KEY_WARNING} (--new-key)")
     if not yes:
         click.confirm(f"Replay {_deliveries(plan.count)}?", abort=True)
-    done = replay.run(plan, actor=who, via=replays.VIA_CLI, new_key=new_key, rest=rest)
+    try:
+        done = replay.run(plan, actor=who, via=replays.VIA_CLI, new_key=new_key, rest=rest)
+    except replay.Interrupted as exc:
+        raise click.ClickException(str(exc)) from exc
     _report(done, new_key)
 
 

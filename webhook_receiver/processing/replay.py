@@ -55,6 +55,26 @@ class ReplayError(Exception):
     """A replay that cannot run as asked: no such event, or no delivery to replay."""
 
 
+class Interrupted(Exception):
+    """A recorded replay this process could not run to its end: the database went away.
+
+    It is not lost: its record keeps where it got to, and a worker resumes
+    it from there once this process's lease has ended. Running the command
+    again would record a second replay of the same deliveries.
+    """
+
+    def __init__(self, replay_id: int, cause: BaseException) -> None:
+        detail = str(getattr(cause, "orig", None) or cause).strip().splitlines()
+        super().__init__(
+            f"replay {replay_id} stopped part-way: the database cannot be reached"
+            f" ({detail[0] if detail else type(cause).__name__}). It is recorded with what"
+            f" it has done: a running `flask worker` resumes it where it stopped once its"
+            f" lease ends ({LEASE.total_seconds():g} s). Do not run the command again: that"
+            " would queue its deliveries a second time."
+        )
+        self.replay_id = replay_id
+
+
 @dataclass(frozen=True)
 class Preview:
     """What a replay would take: the count shown before the confirmation."""
@@ -237,9 +257,17 @@ def run(
     clock: Callable[[], datetime] = utcnow,
     batch_size: int = BATCH_SIZE,
 ) -> Done:
-    """Record the replay and run it here, to its end (the CLI, one event's replay)."""
+    """Record the replay and run it here, to its end (the CLI, one event's replay).
+
+    Raises Interrupted when the database goes away once it is recorded.
+    """
     held = start(plan, actor=actor, via=via, new_key=new_key, rest=rest, clock=clock)
-    progress = resume(held, clock=clock, batch_size=batch_size)
+    try:
+        progress = resume(held, clock=clock, batch_size=batch_size)
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        raise Interrupted(held.id, exc) from exc
     done = Done(held.id, plan.count, sum(progress.consumers.values()), progress.consumers)
     _log_done(done, actor, via, plan, new_key)
     return done
