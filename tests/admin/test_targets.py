@@ -86,4 +86,32 @@ def test_a_half_open_circuit_says_its_probe_is_in_flight(make_app):
             assert circuits.take_probe("shop", "big", "token", later, later + timedelta(5))
     big = _row(text(client.get("/admin/targets")), "shop/big")
     assert 'class="state state-half_open">half open<' in big
-    assert "in flight" in big
+    assert "in flight until " + (later + timedelta(5)).strftime("%Y-%m-%d %H:%M:%S") in big
+
+
+def test_a_cool_down_that_is_over_or_a_lapsed_probe_says_the_next_delivery_probes(make_app):
+    # Both showed a time in the past (or "in flight") as if a probe were
+    # still to come or running; nothing happens until a delivery comes.
+    app = _app(make_app)
+    client = app.test_client()
+    assert login(client).status_code == 302
+    long_ago = NOW - timedelta(minutes=10)
+    with app.app_context():
+        with unit_of_work():
+            circuits.fail("shop", "big", long_ago, 1, long_ago + timedelta(seconds=30))
+            circuits.fail("shop", "billing", long_ago, 1, long_ago + timedelta(seconds=30))
+        with unit_of_work():
+            probe_at = long_ago + timedelta(seconds=30)
+            assert circuits.take_probe(
+                "shop", "billing", "t", probe_at, probe_at + timedelta(seconds=5)
+            )
+    page = text(client.get("/admin/targets"))
+    big = _row(page, "shop/big")
+    assert 'class="state state-open">open<' in big
+    cool_down_end = (long_ago + timedelta(seconds=30)).strftime("%Y-%m-%d %H:%M:%S")
+    assert f"{cool_down_end} (due: the next delivery probes)" in big
+    billing = _row(page, "shop/billing")
+    assert 'class="state state-half_open">half open<' in billing
+    lapsed = (long_ago + timedelta(seconds=35)).strftime("%Y-%m-%d %H:%M:%S")
+    assert f"lapsed at {lapsed}: the next delivery probes" in billing
+    assert "in flight" not in billing

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from flask import render_template
 
+from ..models import utcnow
 from ..outbox import circuits
 from ..processing import registry
 from .blueprint import bp
+from .presenters import utc
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,28 @@ def target_rows() -> list[TargetRow]:
     return rows
 
 
+def next_probe(circuit: circuits.Circuit, now: datetime) -> str:
+    """When the circuit's next probe goes, as the Targets page says it.
+
+    A cool-down that is over, or a probe whose worker died, waits for the
+    target's next delivery: its time alone would read as a probe still to come.
+    """
+    if circuit.state == circuits.OPEN and circuit.retry_at is not None:
+        due = " (due: the next delivery probes)" if circuit.retry_at <= now else ""
+        return utc(circuit.retry_at) + due
+    if circuit.state == circuits.HALF_OPEN and circuit.probe_expires_at is not None:
+        if circuit.probe_expires_at > now:
+            return f"in flight until {utc(circuit.probe_expires_at)}"
+        return f"lapsed at {utc(circuit.probe_expires_at)}: the next delivery probes"
+    return "—"
+
+
 @bp.get("/targets")
 def targets() -> str:
     """Show each consumer's circuit (closed, open, half-open), rate limit and filter."""
-    return render_template("admin/targets.html", rows=target_rows())
+    return render_template(
+        "admin/targets.html", rows=target_rows(), next_probe=next_probe, now=utcnow()
+    )
 
 
 def filtered_out(
