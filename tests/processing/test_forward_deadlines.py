@@ -13,6 +13,13 @@ pika gave each of a RabbitMQ connect's tries (each address its host
 resolves to, each of the URL's connection_attempts) a whole timeout, with
 its retry_delay between them; a Pub/Sub publish the attempt gave up on
 was sent later by the client's own retry (600 s by default).
+
+Resolving the target's name counted against no timeout: getaddrinfo
+blocks in C before any socket exists, so a slow resolver held an HTTP,
+SQS, Redis or RabbitMQ attempt for as long as it took, and the connect
+after it had a whole timeout of its own. There is no DNS server here:
+``slow_dns`` stands in for the resolver alone (socket.getaddrinfo, for
+made-up names answered with 127.0.0.1); the servers are real.
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 import pytest
+import requests
 
 from webhook_receiver.config import ForwardConfig
 from webhook_receiver.config.forwards import parse_forwards
-from webhook_receiver.processing import forwarding, publishers
+from webhook_receiver.processing import deadline, forwarding, publishers
 
 from .. import mosquitto
 from ..brokers.cloud_fixtures import (  # noqa: F401  (fixtures)
@@ -47,7 +57,7 @@ from ..brokers.cloud_fixtures import (  # noqa: F401  (fixtures)
 )
 from ..brokers.conftest import amqp_queue, rabbit_url  # noqa: F401  (fixtures)
 from ..servers import Relay
-from .conftest import outgoing
+from .conftest import Downstream, outgoing
 
 TIMEOUT = 2.0
 
@@ -265,15 +275,19 @@ def _timed_send(
     name: str,
     settings: dict[str, object],
     prepare: Callable[[ForwardConfig], object] | None = None,
+    http: requests.Session | None = None,
 ) -> tuple[forwarding.Result, float]:
-    """Send one forward and time it; ``prepare`` (say, building its client) runs untimed first."""
+    """Send one forward and time it; ``prepare`` (say, building its client) runs untimed first.
+
+    ``http``: the session an HTTP forward posts with.
+    """
     [bus] = parse_forwards([{"name": name, "timeout_seconds": TIMEOUT, **settings}], "test")
     with ThreadPoolExecutor(1) as pool:
         if prepare is not None:
             pool.submit(prepare, bus).result(60)
         started = time.monotonic()
         # A hang is a failure, not a stuck test: the worker's lease would end.
-        result = pool.submit(forwarding.send, None, name, bus, outgoing()).result(60)
+        result = pool.submit(forwarding.send, http, name, bus, outgoing()).result(60)
         elapsed = time.monotonic() - started
         pool.submit(publishers.close_thread_connections).result(10)
     return result, elapsed
@@ -477,6 +491,23 @@ def test_amqp_forward_whose_connect_is_tried_again_ends_within_its_timeout(held,
     assert elapsed < TIMEOUT + 0.5, f"the attempt took {elapsed:.1f} s, its timeout is {TIMEOUT} s"
 
 
+def _certificate(tmp_path: Path, name: str) -> tuple[Path, ssl.SSLContext]:
+    """A self-signed certificate for ``name`` alone (no address), and a server context with it."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return cert, context
+
+
 # What an AMQP 0-9-1 client sends first, once its transport is up.
 _AMQP_HEADER = b"AMQP\x00\x00\x09\x01"
 
@@ -484,18 +515,7 @@ _AMQP_HEADER = b"AMQP\x00\x00\x09\x01"
 def test_amqps_forward_verifies_the_broker_by_its_name_within_its_timeout(tmp_path):
     # The connect goes to an address the name resolves to; the certificate
     # is still checked against the name (a certificate for localhost only).
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"]
-        + ["-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
+    cert, context = _certificate(tmp_path, "localhost")
     received: list[bytes] = []
     with socket.create_server(("127.0.0.1", 0)) as listener:
 
@@ -525,3 +545,244 @@ def test_amqps_forward_verifies_the_broker_by_its_name_within_its_timeout(tmp_pa
     assert received == [_AMQP_HEADER], result.error
     assert (result.ok, result.retryable) == (False, True), result
     assert elapsed < TIMEOUT + 0.5, f"the attempt took {elapsed:.1f} s, its timeout is {TIMEOUT} s"
+
+
+# Names only the stand-in resolver knows (no DNS server here, /etc/hosts
+# untouched); it answers each with 127.0.0.1, SLOW_NAME as late as the
+# test says, OTHER_NAME at once.
+SLOW_NAME = "slow-dns.test"
+OTHER_NAME = "other-dns.test"
+# A resolver this late: the attempt waited for it, then connected and sent.
+TOO_LATE = 3 * TIMEOUT
+UNRESOLVED = f"{SLOW_NAME} did not resolve within {TIMEOUT:g} s"
+
+
+@pytest.fixture
+def slow_dns(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """``slow_dns(seconds)``: socket.getaddrinfo answers SLOW_NAME after ``seconds``.
+
+    Only the resolver is stood in for; the servers connected to are real.
+    A lookup still sleeping when the test ends finishes in its thread.
+    """
+    real = socket.getaddrinfo
+    late = [0.0]
+
+    def getaddrinfo(host: Any, port: Any, family: int = 0, type: int = 0, *rest: Any) -> Any:
+        if host in (SLOW_NAME, OTHER_NAME):
+            if host == SLOW_NAME:
+                time.sleep(late[0])
+            return real("127.0.0.1", port, socket.AF_INET, type, *rest)
+        return real(host, port, family, type, *rest)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return lambda seconds: late.__setitem__(0, seconds)
+
+
+def test_http_forward_whose_name_resolves_too_late_ends_within_its_timeout(slow_dns, downstream):
+    slow_dns(TOO_LATE)
+    port = urlsplit(downstream.url).port
+    result, elapsed = _timed_send(
+        "hooks", {"url": f"http://{SLOW_NAME}:{port}/hooks"}, http=requests.Session()
+    )
+    # Before: 6.0 s, and the event delivered then, past the lease.
+    _within_timeout(result, elapsed, says=UNRESOLVED)
+    assert result.error is not None and result.error.startswith("timeout: "), result.error
+    assert downstream.calls_to("/hooks") == []
+
+
+def test_http_forward_whose_name_resolves_late_connects_in_the_time_left(slow_dns):
+    slow_dns(0.75 * TIMEOUT)
+    with _HeldListeners() as listeners:
+        result, elapsed = _timed_send(
+            "hooks",
+            {"url": f"http://{SLOW_NAME}:{listeners.port}/hooks"},
+            http=requests.Session(),
+        )
+    # Before: 3.5 s (the connect after the resolver had a whole timeout).
+    _within_timeout(result, elapsed, says="timed out")
+
+
+def test_https_forward_resolved_first_verifies_the_target_by_its_name(
+    slow_dns, tmp_path, monkeypatch
+):
+    # The certificate names the host only, no address: the connect goes to
+    # 127.0.0.1, the TLS check (and SNI, and Host) is still for the name.
+    cert, context = _certificate(tmp_path, SLOW_NAME)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    slow_dns(0.25 * TIMEOUT)
+    server = Downstream()
+    server.server.socket = context.wrap_socket(server.server.socket, server_side=True)
+    server.start()
+    try:
+        port = server.server.server_address[1]
+        result, elapsed = _timed_send(
+            "hooks", {"url": f"https://{SLOW_NAME}:{port}/hooks"}, http=requests.Session()
+        )
+        # A name the certificate does not hold is refused: the check is on.
+        other, _ = _timed_send(
+            "hooks", {"url": f"https://{OTHER_NAME}:{port}/hooks"}, http=requests.Session()
+        )
+    finally:
+        server.close()
+    assert result.ok, result
+    assert elapsed < TIMEOUT, f"the attempt took {elapsed:.1f} s, its timeout is {TIMEOUT} s"
+    [call] = server.calls_to("/hooks")
+    assert call.headers["Host"] == f"{SLOW_NAME}:{port}"
+    assert (other.ok, other.retryable) == (False, True), other
+    assert "CERTIFICATE_VERIFY_FAILED" in (other.error or ""), other.error
+
+
+def _redis_or_skip() -> None:
+    try:
+        socket.create_connection(("127.0.0.1", 6379), timeout=1).close()
+    except OSError as exc:
+        pytest.skip(f"no Redis on 127.0.0.1:6379: {exc}")
+
+
+def test_redis_forward_whose_name_resolves_too_late_ends_within_its_timeout(slow_dns):
+    _redis_or_skip()
+    slow_dns(TOO_LATE)
+    stream = f"fwd-{uuid.uuid4().hex[:8]}"
+    result, elapsed = _timed_send(
+        "stream", {"url": f"redis://{SLOW_NAME}:6379/0", "stream": stream}
+    )
+    # Before: 6.0 s, and the entry added then.
+    _within_timeout(result, elapsed, says=UNRESOLVED)
+
+
+def test_redis_forward_whose_name_resolves_late_connects_in_the_time_left(slow_dns):
+    slow_dns(0.75 * TIMEOUT)
+    with _HeldListeners() as listeners:
+        result, elapsed = _timed_send(
+            "stream", {"url": f"redis://{SLOW_NAME}:{listeners.port}/0", "stream": "never"}
+        )
+    # Before: 3.5 s (the connect after the resolver had a whole timeout).
+    _within_timeout(result, elapsed)
+
+
+class _TlsRelay(Relay):
+    """A relay that ends TLS (``context``'s certificate) in front of a plain server."""
+
+    def __init__(self, port: int, context: ssl.SSLContext) -> None:
+        self._context = context
+        super().__init__(port)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                plain, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                client = self._context.wrap_socket(plain, server_side=True)
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:
+                plain.close()  # a client that refused the certificate, or the server away
+                continue
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+
+def test_rediss_forward_resolved_first_verifies_the_server_by_its_name(slow_dns, tmp_path):
+    _redis_or_skip()
+    cert, context = _certificate(tmp_path, SLOW_NAME)
+    slow_dns(0.25 * TIMEOUT)
+    stream = f"fwd-{uuid.uuid4().hex[:8]}"
+    with _TlsRelay(6379, context) as relay:
+        urls = [
+            f"rediss://{name}:{relay.port}/0?ssl_ca_certs={quote(str(cert))}"
+            for name in (SLOW_NAME, OTHER_NAME)
+        ]
+        result, elapsed = _timed_send("stream", {"url": urls[0], "stream": stream})
+        # A name the certificate does not hold is refused: the check is on.
+        other, _ = _timed_send("stream", {"url": urls[1], "stream": stream})
+    assert result.ok, result
+    assert elapsed < TIMEOUT, f"the attempt took {elapsed:.1f} s, its timeout is {TIMEOUT} s"
+    assert (other.ok, other.retryable) == (False, True), other
+    assert "CERTIFICATE_VERIFY_FAILED" in (other.error or ""), other.error
+
+
+def test_sqs_forward_whose_name_resolves_too_late_ends_within_its_timeout(
+    slow_dns,
+    sqs_queue,  # noqa: F811
+):
+    slow_dns(TOO_LATE)
+    endpoint = sqs_queue.endpoint
+    port = int(endpoint.rsplit(":", 1)[1])
+    path = sqs_queue.url.removeprefix(endpoint)
+    result, elapsed = _timed_send(
+        "queue",
+        {
+            "url": f"sqs://sqs.eu-west-1.amazonaws.com{path}",
+            "region": "eu-west-1",
+            "endpoint_url": f"http://{SLOW_NAME}:{port}",
+        },
+        prepare=publishers.sqs._client,
+    )
+    # Before: 6.0 s, and the message sent then.
+    _within_timeout(result, elapsed, says=UNRESOLVED)
+
+
+def test_amqp_forward_whose_name_resolves_too_late_ends_within_its_timeout(
+    slow_dns,
+    rabbit_url,  # noqa: F811
+):
+    slow_dns(TOO_LATE)
+    port = urlsplit(rabbit_url).port or 5672
+    result, elapsed = _timed_send(
+        "bus",
+        {
+            "url": f"amqp://guest:guest@{SLOW_NAME}:{port}/%2F",
+            "exchange": "",
+            "routing_key": "never",
+        },
+    )
+    # Before: 6.0 s (then unroutable, the broker reached).
+    _within_timeout(result, elapsed, says=UNRESOLVED)
+
+
+def test_mqtt_forward_whose_name_resolves_too_late_ends_within_its_timeout(slow_dns):
+    # paho resolves in its network thread, which the attempt waits for
+    # with the time it has left: bounded as it was, kept so.
+    try:
+        broker = mosquitto.broker()
+    except Exception as exc:  # no Mosquitto on this machine
+        pytest.skip(f"Mosquitto: {exc}")
+    slow_dns(TOO_LATE)
+    url = f"mqtt://{SLOW_NAME}:{broker.port}"
+    try:
+        result, elapsed = _timed_send("bus", {"url": url, "topic": "fwd-never/events"})
+    finally:
+        held = publishers.mqtt._publishers.get(url)
+        if held is not None:
+            publishers.mqtt._drop(held)
+    _within_timeout(result, elapsed, says="not connected")
+
+
+def test_nats_forward_whose_name_resolves_too_late_ends_within_its_timeout(slow_dns, jetstream):
+    # nats-py resolves in the event loop's executor, which the attempt's
+    # wait_for stops waiting for: bounded as it was, kept so.
+    slow_dns(TOO_LATE)
+    port = urlsplit(jetstream.url).port or 4222
+    result, elapsed = _timed_send(
+        "stream", {"url": f"nats://{SLOW_NAME}:{port}", "subject": f"{jetstream.prefix}.never"}
+    )
+    _within_timeout(result, elapsed)
+
+
+def test_resolutions_left_behind_by_a_resolver_that_never_answers_are_bounded(
+    slow_dns, monkeypatch
+):
+    slow_dns(TOO_LATE)
+    monkeypatch.setattr(deadline, "_resolving", threading.BoundedSemaphore(2))
+    before = set(threading.enumerate())
+    for _ in range(3):
+        started = time.monotonic()
+        with pytest.raises(deadline.NameNotResolved, match=f"{SLOW_NAME} did not resolve within"):
+            deadline.resolve(SLOW_NAME, 80, by=started + 0.2, within=0.2)
+        assert time.monotonic() - started < 0.5
+    # The third found both slots taken and started no thread of its own.
+    left = [t for t in set(threading.enumerate()) - before if SLOW_NAME in t.name]
+    assert len(left) == 2, left

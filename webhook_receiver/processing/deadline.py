@@ -11,11 +11,19 @@ blocked read returns at once and the call fails, which the forward reports
 as a timeout. The Redis and SQS forwards, whose clients time each socket
 operation too, register their connections' sockets the same way
 (:func:`watch_socket`, :class:`WatchedConnection`).
+
+Resolving the target's name comes before any socket: getaddrinfo blocks in
+C for as long as the system resolver takes, with no timeout to give it.
+:func:`resolve` runs it in a thread of its own and stops waiting when the
+attempt's time is up (:class:`NameNotResolved`); the connections then
+connect to the addresses, in the time left, and keep the name for TLS
+(SNI, the certificate's check) and the Host header.
 """
 
 from __future__ import annotations
 
 import heapq
+import ipaddress
 import itertools
 import socket
 import threading
@@ -28,7 +36,9 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import ConnectTimeoutError, NameResolutionError, NewConnectionError
 from urllib3.poolmanager import ProxyManager
+from urllib3.util.connection import allowed_gai_family
 
 _current = threading.local()
 
@@ -36,9 +46,12 @@ _current = threading.local()
 class Deadline:
     """One attempt's end: the sockets it uses, shut down once ``at`` (monotonic) has passed."""
 
-    def __init__(self, at: float) -> None:
+    def __init__(self, at: float, seconds: float) -> None:
         self.at = at
+        self.seconds = seconds
         self.expired = False
+        # The name that did not resolve in time, if the attempt ended there.
+        self.unresolved: str | None = None
         self._ended = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -58,6 +71,10 @@ class Deadline:
             self._sockets.append(copy)
             if self.expired:
                 _shut(copy)
+
+    def left(self) -> float:
+        """The seconds left (none once the time is up)."""
+        return max(0.0, self.at - time.monotonic())
 
     def expire(self) -> None:
         with self._lock:
@@ -121,7 +138,7 @@ _watchdog = _Watchdog()
 @contextmanager
 def bounded(seconds: float) -> Iterator[Deadline]:
     """Bound the HTTP attempt this thread runs in the block to ``seconds`` in all."""
-    deadline = Deadline(time.monotonic() + seconds)
+    deadline = Deadline(time.monotonic() + seconds, seconds)
     _current.deadline = deadline
     _watchdog.add(deadline)
     try:
@@ -138,13 +155,135 @@ def watch_socket(sock: Any) -> None:
         deadline.watch(sock)
 
 
+class NameNotResolved(OSError):
+    """The target's name did not resolve within the attempt's time."""
+
+
+# Resolutions running in threads of their own. A resolver that never
+# answers leaves each behind until the system resolver gives up (its
+# timeout, per name server and try): no more than this many at once; an
+# attempt that finds none free waits for one in its time.
+MAX_RESOLVING = 16
+_resolving = threading.BoundedSemaphore(MAX_RESOLVING)
+
+
+def resolve(host: str, port: int, *, by: float, within: float, family: int = 0) -> list[str]:
+    """The addresses ``host`` resolves to (for TCP), unless ``by`` (monotonic) passes first.
+
+    Then NameNotResolved, saying the name did not resolve ``within`` seconds
+    (the attempt's timeout). An address is its own answer, without a thread.
+    """
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if _is_address(name):
+        return [name]
+    late = NameNotResolved(f"{name} did not resolve within {within:g} s")
+    slots = _resolving  # the one its thread gives its slot back to
+    if not slots.acquire(timeout=max(0.0, by - time.monotonic())):
+        raise late
+    answer: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            answer.append(socket.getaddrinfo(name, port, family, socket.SOCK_STREAM))
+        except Exception as exc:  # gaierror, or a name idna cannot encode
+            answer.append(exc)
+        finally:
+            slots.release()
+            done.set()
+
+    try:
+        threading.Thread(target=run, name=f"resolve {name}", daemon=True).start()
+    except BaseException:
+        slots.release()
+        raise
+    if not done.wait(max(0.0, by - time.monotonic())):
+        raise late
+    [found] = answer
+    if isinstance(found, Exception):
+        raise found
+    return list(dict.fromkeys(_address(record[4]) for record in found))
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.partition("%")[0])  # an IPv6 address may name its scope
+    except ValueError:
+        return False
+    return True
+
+
+def _address(sockaddr: tuple[Any, ...]) -> str:
+    """A resolved socket address's host, with an IPv6 address's scope if it has one."""
+    if len(sockaddr) == 4 and sockaddr[3]:
+        return f"{sockaddr[0]}%{sockaddr[3]}"
+    return str(sockaddr[0])
+
+
+def resolve_in_attempt(host: str, port: int, family: int = 0) -> list[str]:
+    """``resolve`` by the end of this thread's running attempt (none: as long as it takes)."""
+    deadline: Deadline | None = getattr(_current, "deadline", None)
+    if deadline is None:
+        found = socket.getaddrinfo(host.strip("[]"), port, family, socket.SOCK_STREAM)
+        return list(dict.fromkeys(_address(record[4]) for record in found))
+    try:
+        return resolve(host, port, by=deadline.at, within=deadline.seconds, family=family)
+    except NameNotResolved:
+        deadline.unresolved = host
+        raise
+
+
+def connect_time(timeout: Any) -> Any:
+    """A connect's ``timeout``, cut to what is left of this thread's running attempt."""
+    deadline: Deadline | None = getattr(_current, "deadline", None)
+    if deadline is None:
+        return timeout
+    left = deadline.left()
+    if left <= 0:
+        raise TimeoutError(f"no time left within {deadline.seconds:g} s")
+    return min(timeout, left) if isinstance(timeout, (int, float)) else left
+
+
 class WatchedConnection:
-    """An urllib3 connection mixin: registers its socket with the running attempt's deadline."""
+    """An urllib3 connection mixin: registers its socket with the running attempt's deadline.
+
+    Its name is resolved first, within the attempt's time; each address
+    is then tried in what is left. ``_dns_host`` (what urllib3 connects
+    to; ``host`` reads it) is an address only while the connect runs.
+    """
 
     sock: Any
+    _dns_host: str
+    host: str
+    port: int
+    timeout: Any
 
     def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()  # type: ignore[misc]
+        connection: Any = self  # an HTTPConnection, as urllib3's errors want
+        name, timeout = self._dns_host, self.timeout
+        try:
+            addresses = resolve_in_attempt(name, self.port, allowed_gai_family())
+        except NameNotResolved as exc:
+            raise ConnectTimeoutError(self, str(exc)) from exc
+        except socket.gaierror as exc:
+            raise NameResolutionError(self.host, connection, exc) from exc
+        try:
+            for index, address in enumerate(addresses):
+                self._dns_host = address
+                try:
+                    self.timeout = connect_time(timeout)
+                except TimeoutError as exc:
+                    raise ConnectTimeoutError(self, f"Connection to {name} timed out") from exc
+                try:
+                    sock = super()._new_conn()  # type: ignore[misc]
+                    break
+                except (ConnectTimeoutError, NewConnectionError):
+                    if index == len(addresses) - 1:
+                        raise
+            else:
+                raise NewConnectionError(connection, f"{name} resolved to no address")
+        finally:
+            self._dns_host, self.timeout = name, timeout
         watch_socket(sock)
         return sock  # type: ignore[no-any-return]
 

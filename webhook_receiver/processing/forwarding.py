@@ -147,7 +147,12 @@ def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Ou
                 stream=True,
             )
         except requests.RequestException as exc:
-            if isinstance(exc, requests.Timeout):
+            if bound.unresolved is not None:
+                error = (
+                    f"timeout: {bound.unresolved} did not resolve within "
+                    f"{forward.timeout_seconds:g} s"
+                )
+            elif isinstance(exc, requests.Timeout):
                 error = f"timeout: {exc}"
             elif bound.expired:
                 error = f"timeout: no whole answer within {forward.timeout_seconds:g} s"

@@ -29,6 +29,7 @@ import pika.exceptions
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from ...config import ForwardConfig, redact_url
+from ..deadline import NameNotResolved, resolve
 from .base import BrokerMessage, PublishError, PublishRefused
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def _amqp_channel(forward: ForwardConfig, deadline: float) -> tuple[Any, Any]:
     params = pika.URLParameters(forward.url)
     params.blocked_connection_timeout = forward.timeout_seconds
     params.client_properties = {"connection_name": f"webhook-receiver forward {forward.name}"}
-    connection = _connect(params, deadline)
+    connection = _connect(params, deadline, forward.timeout_seconds)
     try:
         channel = _by_deadline(connection, deadline, connection.channel)
         _by_deadline(connection, deadline, channel.confirm_delivery)
@@ -76,24 +77,20 @@ def _amqp_channel(forward: ForwardConfig, deadline: float) -> tuple[Any, Any]:
     return connection, channel
 
 
-def _connect(params: pika.URLParameters, deadline: float) -> Any:
+def _connect(params: pika.URLParameters, deadline: float, timeout: float) -> Any:
     """A connection by ``deadline``, whatever the addresses and tries.
 
     pika gives each try (each address the host resolves to, each of the
     URL's ``connection_attempts``) its socket and stack timeouts in full,
     with ``retry_delay`` between: an attempt could take several times its
-    timeout. Here the addresses are resolved first, and pika tries one at
-    a time, in the time left; a pause that would outlast it ends the
-    attempt.
+    timeout. Here the addresses are resolved first, by the deadline too
+    (getaddrinfo has no timeout: a slow resolver held the attempt; past it,
+    NameNotResolved), and pika tries one at a time, in the time left; a
+    pause that would outlast it ends the attempt.
     """
     if params.ssl_options is not None and params.ssl_options.server_hostname is None:
         params.ssl_options.server_hostname = params.host  # the name, not an address, is verified
-    addresses = [
-        record[4]
-        for record in socket.getaddrinfo(
-            params.host, params.port, 0, socket.SOCK_STREAM, socket.IPPROTO_TCP
-        )
-    ]
+    addresses = resolve(params.host, params.port, by=deadline, within=timeout)
     cycles, pause = params.connection_attempts, params.retry_delay
     params.connection_attempts = 1
     error: Exception | None = None
@@ -105,7 +102,7 @@ def _connect(params: pika.URLParameters, deadline: float) -> Any:
         for address in addresses:
             if error is not None and time.monotonic() >= deadline:
                 raise error
-            params.host = _host(address)
+            params.host = address
             params.socket_timeout = params.stack_timeout = _left(deadline)
             try:
                 return pika.BlockingConnection(params)
@@ -113,13 +110,6 @@ def _connect(params: pika.URLParameters, deadline: float) -> Any:
                 error = exc
     assert error is not None
     raise error
-
-
-def _host(address: tuple[Any, ...]) -> str:
-    """The host of a resolved socket address, with an IPv6 address's scope if it has one."""
-    if len(address) == 4 and address[3]:
-        return f"{address[0]}%{address[3]}"
-    return str(address[0])
 
 
 def _left(deadline: float) -> float:
@@ -282,6 +272,8 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
                     f"broker: {exc.reply_text}"
                 ) from exc
             raise PublishError(f"channel closed by the broker: {exc.reply_text}") from exc
+        except NameNotResolved as exc:  # the attempt's time is up
+            raise PublishError(f"{exc} ({redact_url(forward.url)})") from exc
         # pika raises its connection workflow's own errors (a handshake past
         # stack_timeout), which are not AMQPErrors.
         except (pika.exceptions.AMQPError, AMQPConnectorException, OSError) as exc:

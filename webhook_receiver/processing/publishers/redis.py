@@ -13,7 +13,8 @@ An attempt lasts ``timeout_seconds`` in all: redis-py's timeouts bound the
 connect and each read of the socket (a server answering a byte at a time
 holds it for ever), so the attempt's sockets are shut down when its time
 is up (:mod:`..deadline`), a ``rediss://`` connection's TLS handshake
-included. redis-py is told to retry nothing (its
+included, and its host name is resolved within that time too (redis-py's
+getaddrinfo had no timeout). redis-py is told to retry nothing (its
 defaults differ by version and constructor: ``Redis()`` retries three
 times since 6.0, ``from_url``'s pool none in 8.x): the worker retries,
 with its backoff.
@@ -40,12 +41,37 @@ _lock = threading.Lock()
 
 
 class _Watched:
-    """A redis-py connection whose socket the running attempt's deadline shuts down."""
+    """A redis-py connection whose socket the running attempt's deadline shuts down.
+
+    Its name is resolved first, within the attempt's time (redis-py's
+    getaddrinfo had none), and each address tried in what is left; ``host``
+    is an address only while the TCP connect runs: the TLS handshake that
+    follows (SSLConnection) checks the certificate against the name.
+    """
 
     _sock: Any
+    host: str
+    port: int
+    socket_type: int
+    socket_connect_timeout: Any
 
     def _connect(self) -> Any:
-        sock = super()._connect()  # type: ignore[misc]
+        name, timeout = self.host, self.socket_connect_timeout
+        addresses = deadline.resolve_in_attempt(name, self.port, self.socket_type)
+        try:
+            for index, address in enumerate(addresses):
+                self.host = address
+                self.socket_connect_timeout = deadline.connect_time(timeout)
+                try:
+                    sock = super()._connect()  # type: ignore[misc]
+                    break
+                except OSError:
+                    if index == len(addresses) - 1:
+                        raise
+            else:
+                raise OSError(f"{name} resolved to no address")
+        finally:
+            self.host, self.socket_connect_timeout = name, timeout
         deadline.watch_socket(sock)
         return sock
 
@@ -105,7 +131,12 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             client.xadd(forward.stream or "", fields(message))  # type: ignore[arg-type]
         except (redis.exceptions.RedisError, OSError) as exc:
             where = redact_url(forward.url)
-            if attempt.expired:
+            if attempt.unresolved is not None:
+                raise PublishError(
+                    f"{attempt.unresolved} did not resolve within {forward.timeout_seconds:g} s"
+                    f" ({where})"
+                ) from exc
+            if attempt.expired or not attempt.left():
                 raise PublishError(
                     f"no XADD reply from {where} within {forward.timeout_seconds:g} s"
                     f" (its connect included): {type(exc).__name__}: {exc}"

@@ -19,7 +19,9 @@ endpoint, shared by the worker's threads.
 An attempt lasts ``timeout_seconds`` in all: botocore's timeouts bound the
 connect and each read of the socket (an answer trickled out holds it for
 ever), so the attempt's sockets are shut down when its time is up
-(:mod:`..deadline`); botocore sends once, the worker retries.
+(:mod:`..deadline`), and the endpoint's name is resolved within that
+time too (getaddrinfo has no timeout); botocore sends once, the worker
+retries.
 """
 
 from __future__ import annotations
@@ -154,7 +156,12 @@ def publish(forward: ForwardConfig, message: BrokerMessage) -> None:
             error = PublishRefused if code in _REFUSED else PublishError
             raise error(f"SQS refused the message ({code}): {exc}") from exc
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
-            if attempt.expired:
+            if attempt.unresolved is not None:
+                raise PublishError(
+                    f"{attempt.unresolved} did not resolve within {forward.timeout_seconds:g} s:"
+                    " no SendMessage sent"
+                ) from exc
+            if attempt.expired or not attempt.left():
                 raise PublishError(
                     f"no SendMessage answer within {forward.timeout_seconds:g} s"
                     f" (its connect included): {type(exc).__name__}: {exc}"
