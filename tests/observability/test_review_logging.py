@@ -28,12 +28,23 @@ def captured():
     logger.handlers[:], logger.level, logger.propagate = saved
 
 
+@pytest.fixture
+def log(captured):
+    """A logger with the handler ``configure`` installs, and no other.
+
+    Outside the logging tree: pytest's own capture would hold the
+    surrogates too, and pytest-xdist cannot send them back from a worker.
+    """
+    logger = logging.Logger("webhook_receiver.review")
+    logger.addHandler(logging.getLogger(obs_logging.PACKAGE_LOGGER).handlers[-1])
+    return logger
+
+
 def _lines(buffer: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in buffer.getvalue().splitlines()]
 
 
-def test_a_lone_surrogate_in_the_message_or_a_field_still_makes_one_json_line(captured, capfd):
-    log = logging.getLogger("webhook_receiver.review")
+def test_a_lone_surrogate_in_the_message_or_a_field_still_makes_one_json_line(log, captured, capfd):
     log.warning(
         "message dead-lettered: %s",
         "type \ud800",
@@ -47,15 +58,14 @@ def test_a_lone_surrogate_in_the_message_or_a_field_still_makes_one_json_line(ca
     assert "Logging error" not in capfd.readouterr().err
 
 
-def test_an_integer_past_64_bits_is_written_as_its_digits(captured, capfd):
-    logging.getLogger("webhook_receiver.review").info("big", extra={"event_id": 2**70, "small": 3})
+def test_an_integer_past_64_bits_is_written_as_its_digits(log, captured, capfd):
+    log.info("big", extra={"event_id": 2**70, "small": 3})
     (line,) = _lines(captured)
     assert line["event_id"] == str(2**70) and line["small"] == 3
     assert "Logging error" not in capfd.readouterr().err
 
 
-def test_an_exception_quoting_a_surrogate_keeps_its_line_and_traceback(captured, capfd):
-    log = logging.getLogger("webhook_receiver.review")
+def test_an_exception_quoting_a_surrogate_keeps_its_line_and_traceback(log, captured, capfd):
     try:
         raise ValueError("no order \ud800")
     except ValueError:
