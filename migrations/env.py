@@ -3,6 +3,9 @@ from logging.config import fileConfig
 
 from alembic import context
 from flask import current_app
+from sqlalchemy.exc import OperationalError
+
+from webhook_receiver.database import autocommit_connection
 
 # this is the Alembic Config object, which provides
 # access to the values within the .ini file in use.
@@ -86,12 +89,50 @@ def run_migrations_online():
         conf_args["process_revision_directives"] = process_revision_directives
 
     connectable = get_engine()
+    sqlite = connectable.dialect.name == "sqlite"
 
-    with connectable.connect() as connection:
-        context.configure(connection=connection, target_metadata=get_metadata(), **conf_args)
+    # SQLite: the app's connections open a deferred BEGIN; the upgrade opens
+    # its own, BEGIN IMMEDIATE (_take_migration_lock), and all of it is one
+    # transaction, as on PostgreSQL (SQLite's DDL is transactional too).
+    with autocommit_connection() if sqlite else connectable.connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=get_metadata(),
+            **({"transactional_ddl": True} if sqlite else {}),
+            **conf_args,
+        )
 
         with context.begin_transaction():
+            _take_migration_lock(connection)
             context.run_migrations()
+
+
+# Any fixed 64-bit number: the key of the upgrade's advisory lock on PostgreSQL.
+MIGRATION_LOCK_KEY = 0x7765_6268_6F6F_6B00  # "webhook\0"
+
+
+def _take_migration_lock(connection):
+    """Wait until no other upgrade (or downgrade) runs on this database, then hold it off.
+
+    Two release steps at once (two deploys, or a release run on every dyno)
+    would otherwise both read the same revision and apply it twice: the
+    second fails half-way with "already exists". Taken before Alembic reads
+    the revision, and held until this upgrade commits, so the second reads
+    what the first wrote and has nothing left to do.
+    """
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
+        return
+    # SQLite: the database's write lock, for the whole upgrade. A writer
+    # holds it for a moment at a time; another upgrade for as long as it runs.
+    while True:
+        try:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            return
+        except OperationalError as exc:
+            if "locked" not in str(exc.orig):
+                raise
+            logger.info("Waiting for the database's write lock (another upgrade runs).")
 
 
 if context.is_offline_mode():
