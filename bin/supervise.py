@@ -6,12 +6,16 @@
 
 Each ``--`` starts one command (split like a shell would, without one). The
 first command is the web server: when it exits, the others are stopped and
-this exits with its status. Any other command that exits is started again,
+this exits with its status (128 + the signal, as a shell says, if one killed
+it). Any other command that exits is started again,
 after 1 s, then twice as long after each quick exit, up to 30 s (back to 1 s
 once it has stayed up a minute); each exit and each start again is one line
 on stderr. One SIGTERM or SIGINT to this process (its pid is printed and
 written to the pidfile) stops them all: each gets SIGTERM, so gunicorn
-finishes its requests and the worker its current delivery. Make passes the
+finishes its requests and the worker its current delivery. Each command
+runs in a process group of its own, which gets the signal (SIGKILL if it has
+not stopped after 30 s): Ctrl-C's SIGINT reaches this process only, not
+gunicorn, which would take it for a quick shutdown. Make passes the
 SIGTERM it receives on to this process, so ``kill <make's pid>`` stops
 everything as well.
 
@@ -247,7 +251,13 @@ class Child:
         return " ".join(words)
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, preexec_fn=_end_with_parent(os.getpid()))
+        # A process group of its own: Ctrl-C (SIGINT to the terminal's
+        # foreground group) reaches only this process, which passes it on as
+        # SIGTERM. gunicorn takes SIGINT for a quick shutdown, its requests
+        # cut off; and the group is what _signal reaches, with what it started.
+        self.process = subprocess.Popen(
+            self.command, preexec_fn=_end_with_parent(os.getpid()), process_group=0
+        )
         self.started = time.monotonic()
 
     def exited(self, now: float) -> float:
@@ -272,18 +282,31 @@ def _restart(child: Child) -> None:
     _say(f"{child.name} started again as pid {child.process.pid}")
 
 
+def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
+    """Send ``signum`` to the command's process group: the command and what it started."""
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        pass  # the group is gone: the command exited and left nothing behind
+
+
 def _stop_all(children: list[Child]) -> None:
     running = [c.process for c in children if c.process is not None]
     for process in running:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            _signal(process, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     for process in running:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
+            _signal(process, signal.SIGKILL)
             process.wait()
+
+
+def _exit_status(returncode: int) -> int:
+    """A command's status as a shell reports it: 128 + the signal that killed it."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def main(argv: list[str]) -> int:
@@ -331,7 +354,7 @@ def main(argv: list[str]) -> int:
                     continue
                 pid = child.process.pid
                 if child.essential:
-                    status = returncode
+                    status = _exit_status(returncode)
                     _say(
                         f"{child.name} (pid {pid}) exited with {_describe(returncode)}: "
                         "stopping the others"

@@ -241,3 +241,54 @@ def test_usage_errors(argv, error):
     result = supervise(*argv)
     assert result.returncode == 2
     assert error in result.stderr
+
+
+# Writes each signal it gets to the file named by its argument; exits on SIGTERM.
+SIGNAL_LOGGER = """
+import signal, sys, time
+def note(signum, _frame):
+    with open(sys.argv[1], "a") as fh:
+        fh.write(signal.Signals(signum).name + "\\n")
+    if signum == signal.SIGTERM:
+        sys.exit(0)
+signal.signal(signal.SIGINT, note)
+signal.signal(signal.SIGTERM, note)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_reaches_the_commands_only_as_the_supervisors_sigterm(tmp_path):
+    # Ctrl-C in a terminal sends SIGINT to its whole foreground process group.
+    # gunicorn takes SIGINT for a quick shutdown (its requests cut off), and
+    # the worker would stop mid-delivery: the commands must get only the
+    # supervisor's SIGTERM, which lets them finish what they do.
+    script = tmp_path / "signals.py"
+    script.write_text(SIGNAL_LOGGER)
+    got = [tmp_path / "web.signals", tmp_path / "worker.signals"]
+    log = tmp_path / "supervise.log"
+    argv = [sys.executable, str(SUPERVISE), "--pidfile", str(tmp_path / "run.pid")]
+    for path in got:
+        argv += ["--", f"{sys.executable} {script} {path}"]
+    with open(log, "wb") as out:
+        # A session of its own, as a terminal gives `make run`.
+        supervisor = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        assert wait_until(lambda: len(_children(supervisor.pid)) == 2, timeout=10)
+        time.sleep(0.5)  # the commands' handlers are installed
+        os.killpg(supervisor.pid, signal.SIGINT)
+        assert supervisor.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+            supervisor.wait()
+    assert [path.read_text() for path in got] == ["SIGTERM\n", "SIGTERM\n"]
+
+
+def test_a_first_command_killed_by_a_signal_is_the_shells_status(tmp_path):
+    # 128 + the signal, as a shell (and make) report it; not -9 % 256 = 247.
+    pidfile = tmp_path / "run.pid"
+    result = supervise("--pidfile", str(pidfile), "--", "sh -c 'sleep 0.5; kill -9 $$'")
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr
+    assert "exited with signal SIGKILL: stopping the others" in result.stderr
