@@ -9,9 +9,11 @@ here is a no-op that costs a dictionary lookup.
 
 An event keeps the ``traceparent`` of its receipt (``Message.build``'s
 ``traceparent``, in its meta): the receipt's span when tracing is on, else
-the one the sender sent. The worker's attempt continues that trace, and a
-forward carries it onward (its own span's, or the stored one's trace with a
-new parent id).
+the one the sender sent; beside it, the sender's ``tracestate`` (W3C's
+vendor data, e.g. a vendor tracer's sampling decision), only with a valid
+traceparent. The worker's attempt continues that trace under that trace
+state, and a forward carries both onward (its own span's, or the stored
+one's trace with a new parent id and the stored tracestate as it came).
 
 What a span costs shaped this module: the server span is three request
 hooks setting the HTTP semantic conventions' main attributes, not Flask's
@@ -44,10 +46,21 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from werkzeug.datastructures import Headers
 
 EXTENSION = "webhook_receiver.tracing"
 # Where an event keeps its receipt's traceparent: a key of its meta.
 META_KEY = "traceparent"
+# Where it keeps the receipt's tracestate, beside the traceparent.
+TRACESTATE_META = "tracestate"
+# W3C Trace Context's tracestate: at most 32 list-members, key=value, in at
+# most 512 characters; the list is dropped whole if any member is not one.
+TRACESTATE_LENGTH = 512
+TRACESTATE_MEMBERS = 32
+_TRACESTATE_MEMBER = re.compile(
+    r"([a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
 # W3C Trace Context: version-traceid-parentid-flags, lower-case hex only (as
 # the SDK's propagator reads it), between the blanks HTTP allows; a later
 # version may add fields after a dash, version 00 none.
@@ -83,6 +96,33 @@ def valid_traceparent(value: str | None) -> str | None:
     if parent_id == "0" * 16:
         return None
     return f"00-{trace_id}-{parent_id}-{flags}"
+
+
+def valid_tracestate(value: str | None) -> str | None:
+    """``value`` as a W3C tracestate if valid (members comma-joined, blanks left out), else None.
+
+    Past 512 characters as received (repeated headers combined), past 32
+    members, a member that is not key=value, or a key twice: dropped whole,
+    never truncated (a vendor's member cut off would be misread). The blanks
+    and empty members W3C allows are left out, as the SDK's propagator
+    writes a list: the stored value is the same whether tracing is on or off.
+    """
+    if not value or len(value) > TRACESTATE_LENGTH:
+        return None
+    members: list[str] = []
+    keys: set[str] = set()
+    for member in value.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        match = _TRACESTATE_MEMBER.fullmatch(member)
+        if match is None or match[1] in keys:
+            return None
+        keys.add(match[1])
+        members.append(member)
+    if not members or len(members) > TRACESTATE_MEMBERS:
+        return None
+    return ",".join(members)
 
 
 def configured() -> bool:
@@ -448,20 +488,22 @@ def span(
     name: str,
     *,
     parent: str | None = None,
+    tracestate: str | None = None,
     kind: trace.SpanKind = trace.SpanKind.INTERNAL,
     **attributes: Any,
 ) -> Iterator[trace.Span | None]:
     """A span named ``name`` around the block (None when tracing is off).
 
     ``parent``: a stored traceparent the span continues (a delivery attempt
-    continues its event's receipt); by default the current span's child.
-    Attributes whose value is None are left out.
+    continues its event's receipt), ``tracestate`` its stored trace state;
+    by default the current span's child. Attributes whose value is None are
+    left out.
     """
     tracer = _tracer()
     if tracer is None:
         yield None
         return
-    context = _context_of(parent) if parent else None
+    context = _context_of(parent, tracestate) if parent else None
     values = {key: value for key, value in attributes.items() if value is not None}
     opened = tracer.start_span(name, context=context, kind=kind, attributes=values)
     # What trace.use_span(end_on_exit=True) does, without its own layer of
@@ -487,28 +529,51 @@ def end_with(opened: trace.Span, ok: bool, status: int | None, error: str | None
         opened.set_status(trace.Status(trace.StatusCode.ERROR, error))
 
 
-def _context_of(traceparent: str) -> Context:
+def _context_of(traceparent: str, tracestate: str | None = None) -> Context:
+    if tracestate:
+        return _PROPAGATOR.extract({"traceparent": traceparent, "tracestate": tracestate})
     return _PROPAGATOR.extract({"traceparent": traceparent})
 
 
-def current_traceparent(fallback: str | None = None) -> str | None:
-    """The current span's traceparent when tracing is on, else ``fallback`` (if valid)."""
-    if on():
-        # What the W3C propagator's inject writes, without its carrier.
-        current = trace.get_current_span().get_span_context()
-        if current.is_valid:
-            return f"00-{current.trace_id:032x}-{current.span_id:016x}-{current.trace_flags:02x}"
-    return valid_traceparent(fallback)
+def current_trace(headers: Headers) -> tuple[str | None, str | None]:
+    """The traceparent and tracestate an event received with ``headers`` keeps.
 
-
-def outgoing(headers: MutableMapping[str, str], stored: str | None, correlation_id: str) -> None:
-    """Set the ``traceparent`` a forward sends: its span's, else the stored trace's, else none.
-
-    Without tracing, the stored traceparent's trace goes on under a new
-    parent id; an event stored without one whose correlation id is a trace
-    id (a sender's traceparent, before traces were kept) goes on under that.
+    The current span's (the server span, continuing the sender's) when
+    tracing is on, else the sender's: its valid traceparent, and its
+    tracestate only beside one (Message.build checks the tracestate; a
+    request without a traceparent has its tracestate header left unread).
     """
     if on():
+        current = trace.get_current_span().get_span_context()
+        if current.is_valid:
+            # What the W3C propagator's inject writes, without its carrier.
+            state = current.trace_state
+            return (
+                f"00-{current.trace_id:032x}-{current.span_id:016x}-{current.trace_flags:02x}",
+                state.to_header() if state else None,
+            )
+    sent = valid_traceparent(headers.get("traceparent"))
+    if sent is None:
+        return None, None
+    return sent, headers.get("tracestate")
+
+
+def outgoing(
+    headers: MutableMapping[str, str],
+    stored: str | None,
+    correlation_id: str,
+    tracestate: str | None = None,
+) -> None:
+    """Set the ``traceparent`` (and ``tracestate``) a forward sends: its span's, else the stored.
+
+    Without tracing, the stored traceparent's trace goes on under a new
+    parent id, with the stored ``tracestate`` as it came (a participant
+    that does not trace passes it on unchanged); an event stored without
+    one whose correlation id is a trace id (a sender's traceparent, before
+    traces were kept) goes on under that, with no tracestate.
+    """
+    if on():
+        # The span's trace state is the attempt's, which is the stored one.
         _PROPAGATOR.inject(headers)
         if "traceparent" in headers:
             return
@@ -517,6 +582,8 @@ def outgoing(headers: MutableMapping[str, str], stored: str | None, correlation_
     if stored is not None:
         # Not tracing, the receiver decides no sampling: the sender's flags go on.
         _, trace_id, _, flags = stored.split("-")
+        if tracestate:
+            headers["tracestate"] = tracestate
     elif re.fullmatch(r"[0-9a-f]{32}", correlation_id) and correlation_id != "0" * 32:
         trace_id = correlation_id
     if trace_id is not None:
@@ -536,3 +603,15 @@ def traceparent_in(headers: Mapping[str, Any] | None) -> str | None:
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     return valid_traceparent(value) if isinstance(value, str) else None
+
+
+def tracestate_in(headers: Mapping[str, Any]) -> str | None:
+    """A broker message's ``tracestate`` header as text (Message.build checks it), or None.
+
+    By its exact, lower-case name too; read only for a message whose
+    ``traceparent_in`` is valid (W3C: a tracestate means nothing without one).
+    """
+    value = headers.get("tracestate")
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    return value if isinstance(value, str) else None

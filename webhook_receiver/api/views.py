@@ -80,6 +80,7 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
         raise Refused("invalid-event", '"data" is required (any JSON value)')
     source = f"api:{g.client}"
     now = datetime.now(UTC)
+    traceparent, tracestate = tracing.current_trace(request.headers)
     try:
         message = inbox.Message.build(
             source=source,
@@ -97,7 +98,8 @@ def create_event() -> tuple[Response, int, dict[str, str]]:
             correlation_id=correlation.current(),
             client=g.client,
             received_at=now,
-            traceparent=tracing.current_traceparent(request.headers.get("traceparent")),
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
     except Unstorable as exc:
         # A type or Content-Type no database can store as it is (too long,

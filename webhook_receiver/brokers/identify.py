@@ -115,6 +115,7 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
             correlation_id=loggable(_correlation_id(message, names)),
         )
     event_type = _read(type_spec, message, names, parsed) or None
+    traceparent = tracing.traceparent_in(message.headers)
     try:
         return Message.build(
             source=source.name,
@@ -127,7 +128,9 @@ def identify(source: BrokerSourceConfig, message: BrokerMessage) -> Message:
             headers=_headers(message.headers, names),
             meta=_clean_meta(message),
             correlation_id=_correlation_id(message, names),
-            traceparent=tracing.traceparent_in(message.headers),
+            traceparent=traceparent,
+            # Read only beside a valid traceparent: W3C's tracestate needs one.
+            tracestate=tracing.tracestate_in(message.headers) if traceparent else None,
         )
     except Unstorable as exc:
         # PostgreSQL refuses a NUL in text and a value longer than its column,

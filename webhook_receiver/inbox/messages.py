@@ -13,7 +13,7 @@ from sqlalchemy import String
 
 from ..models import Event
 from ..tracing import META_KEY as TRACEPARENT_META
-from ..tracing import valid_traceparent
+from ..tracing import TRACESTATE_META, valid_traceparent, valid_tracestate
 
 _NO_META: Mapping[str, Any] = MappingProxyType({})
 
@@ -120,13 +120,16 @@ class Message(NamedTuple):
         client: str | None = None,
         received_at: datetime | None = None,
         traceparent: str | None = None,
+        tracestate: str | None = None,
     ) -> Message:
         """Build a message an intake hands to the inbox, or raise Unstorable.
 
         The one way an intake makes a Message: it checks the limits above
         (a few length and NUL tests; the slow walk only names what failed).
         ``traceparent`` (W3C; one that is not is left out, never refused) is
-        kept in the meta, for the delivery attempts to continue its trace.
+        kept in the meta, for the delivery attempts to continue its trace;
+        ``tracestate`` beside it, only with a valid traceparent (one that is
+        malformed or too long is left out whole, never refused).
         """
         # One scan of the text fields together for a NUL and for non-ASCII
         # (only then is it encoded, to find a lone surrogate).
@@ -153,7 +156,12 @@ class Message(NamedTuple):
         if traceparent is not None:
             traceparent = valid_traceparent(traceparent)
             if traceparent is not None:
-                meta = {**meta, TRACEPARENT_META: traceparent}
+                # W3C: a tracestate means something only with its traceparent.
+                state = valid_tracestate(tracestate) if tracestate else None
+                if state is None:
+                    meta = {**meta, TRACEPARENT_META: traceparent}
+                else:
+                    meta = {**meta, TRACEPARENT_META: traceparent, TRACESTATE_META: state}
         return cls(
             source,
             dedup_key,

@@ -49,6 +49,8 @@ class Outgoing:
     correlation_id: str | None
     # The traceparent the event was received under (tracing.META_KEY).
     traceparent: str | None = None
+    # The tracestate kept beside it (tracing.TRACESTATE_META), sent on with it.
+    tracestate: str | None = None
     # Which replay's key the delivery sends: 0 the original (see idempotency_key).
     key_replay: int = 0
 
@@ -92,7 +94,7 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
     }
     if out.event_type and _HEADER_SAFE.match(out.event_type):
         headers["X-Webhook-Event-Type"] = out.event_type
-    tracing.outgoing(headers, out.traceparent, correlation_id)
+    tracing.outgoing(headers, out.traceparent, correlation_id, out.tracestate)
     return headers
 
 
@@ -188,7 +190,7 @@ def _post(http: requests.Session, consumer: str, forward: ForwardConfig, out: Ou
 def _publish(consumer: str, forward: ForwardConfig, out: Outgoing) -> Result:
     correlation_id = out.correlation_id or f"event-{out.event_id}"
     headers = {"X-Webhook-Source": out.source, "X-Webhook-Event-Id": str(out.event_id)}
-    tracing.outgoing(headers, out.traceparent, correlation_id)
+    tracing.outgoing(headers, out.traceparent, correlation_id, out.tracestate)
     message = publishers.BrokerMessage(
         body=out.body,
         content_type=out.content_type,

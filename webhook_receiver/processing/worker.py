@@ -80,6 +80,8 @@ class _Snapshot:
     correlation_id: str | None
     # The traceparent the event was received under: its attempts continue that trace.
     traceparent: str | None = None
+    # Its tracestate, kept beside it (a vendor's trace data): the attempts' trace state.
+    tracestate: str | None = None
     # The target's circuit breaker, read with the event (limits.Gates).
     circuit: circuits.Circuit | None = None
 
@@ -347,6 +349,7 @@ class Worker:
         with tracing.span(
             "delivery attempt",
             parent=snap.traceparent,
+            tracestate=snap.tracestate,
             consumer=consumer.name,
             event_id=claim.event_id,
             attempt=claim.attempt,
@@ -373,6 +376,7 @@ class Worker:
                     Event.body,
                     Event.correlation_id,
                     Event.meta[tracing.META_KEY].as_string(),
+                    Event.meta[tracing.TRACESTATE_META].as_string(),
                     *circuits.COLUMNS,
                 )
                 .select_from(circuits.joined(claim.consumer))
@@ -455,6 +459,7 @@ class Worker:
             body=snap.body,
             correlation_id=snap.correlation_id,
             traceparent=snap.traceparent,
+            tracestate=snap.tracestate,
             key_replay=claim.key_replay,
         )
         try:

@@ -178,7 +178,7 @@ def _store_batch(
     # the same event sent alone and in a batch is one.
     # (A media type's case is not significant: the batch was read as one in any case.)
     entry_type = _BATCH_TYPE.sub("cloudevents+json", content_type, count=1)
-    traceparent = tracing.current_traceparent(headers.get("traceparent"))
+    traceparent, tracestate = tracing.current_trace(headers)
     messages = []
     for part in batch:
         content = canonical_json(part.json)
@@ -195,6 +195,7 @@ def _store_batch(
                 meta=part.identified.meta,
                 correlation_id=correlation.current(),
                 traceparent=traceparent,
+                tracestate=tracestate,
             )
         except Unstorable as exc:
             raise _refusal(exc, part.identified.dedup_key) from exc
@@ -264,6 +265,7 @@ def _store(
     content_type: str,
     headers: Headers,
 ) -> Receipt:
+    traceparent, tracestate = tracing.current_trace(headers)
     try:
         message = inbox.Message.build(
             source=source.name,
@@ -275,7 +277,8 @@ def _store(
             headers=_redacted(source, headers),
             meta=identified.meta,
             correlation_id=correlation.current(),
-            traceparent=tracing.current_traceparent(headers.get("traceparent")),
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
     except Unstorable as exc:
         raise _refusal(exc, identified.dedup_key) from exc
