@@ -121,6 +121,10 @@ def _take_migration_lock(connection):
     what the first wrote and has nothing left to do.
     """
     if connection.dialect.name == "postgresql":
+        # The app's statement timeout (DATABASE_STATEMENT_TIMEOUT_SECONDS, 30 s)
+        # is for requests: an index built on a big table, or this wait behind
+        # another upgrade, outlasts it, and the upgrade would be cancelled.
+        connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
         return
     # SQLite: the database's write lock, for the whole upgrade. A writer

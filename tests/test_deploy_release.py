@@ -34,13 +34,17 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[s
         yield url.replace("postgresql+psycopg://", "postgresql://"), url
 
 
-def flask(database_url: str, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "WEBHOOK_RECEIVER_"))}
-    env["DATABASE_URL"] = database_url
+def flask(
+    database_url: str, *args: str, stdout=subprocess.PIPE, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("FLASK_", "WEBHOOK_RECEIVER_"))
+    }
+    environment.update(env or {}, DATABASE_URL=database_url)
     return subprocess.Popen(
         [FLASK, "--app", "wsgi", *args],
         cwd=ROOT,
-        env=env,
+        env=environment,
         stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
@@ -84,3 +88,40 @@ def test_two_release_steps_at_once_both_succeed_and_migrate_once(database, tmp_p
     with engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0010"
     engine.dispose()
+
+
+def test_an_upgrade_outlasting_the_apps_timeouts_runs_to_its_end(database, tmp_path):
+    # The app's PostgreSQL connections cancel a statement after
+    # DATABASE_STATEMENT_TIMEOUT_SECONDS (30 s by default), meant for
+    # requests: an index built on a big table, or a wait behind another
+    # upgrade, outlasts it. SQLite's busy timeout (10 s) likewise.
+    cli_url, sa_url = database
+    first = flask(cli_url, "db", "upgrade", "0009")
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == 0, output
+
+    if sa_url.startswith("sqlite"):
+        blocker = sqlite3.connect(sa_url.removeprefix("sqlite:///"), isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        release, held = blocker.rollback, 12.0
+    else:
+        engine = create_engine(sa_url)
+        holder = engine.connect()
+        holder.execute(text("LOCK TABLE entity_versions IN ACCESS EXCLUSIVE MODE"))
+        release, held = holder.close, 4.0
+    log = tmp_path / "upgrade.log"
+    try:
+        with open(log, "w") as out:
+            upgrade = flask(
+                cli_url,
+                "db",
+                "upgrade",
+                stdout=out,
+                env={"WEBHOOK_RECEIVER_DATABASE_STATEMENT_TIMEOUT_SECONDS": "1"},
+            )
+        assert wait_until(lambda: "Context impl" in log.read_text(), timeout=60), log.read_text()
+        time.sleep(held)
+    finally:
+        release()
+    assert upgrade.wait(timeout=120) == 0, log.read_text()[-2000:]
+    assert "Running upgrade 0009 -> 0010" in log.read_text()
