@@ -201,3 +201,20 @@ def test_upgrade_one_revision_at_a_time_keeps_the_rows_of_each(empty_app):
         assert schema_diff() == []
         load_every_model(written)
         db.engine.dispose()
+
+
+def test_a_revision_that_fails_leaves_the_database_as_it_was(empty_app):
+    # docs/deployment.md: the upgrade is one transaction on both databases.
+    with empty_app.app_context():
+        upgrade(revision="0004")
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE delivery_targets (id INTEGER PRIMARY KEY)")
+        with pytest.raises(Exception, match="delivery_targets"):
+            upgrade()  # 0005 and 0006 apply, then 0007 cannot create its table
+        db.session.remove()
+        db.engine.dispose()
+        assert current_revision() == "0004"
+        tables = set(inspect(db.engine).get_table_names())
+        assert not tables & {"broker_positions", "replays", "delivery_attempts"}
+        assert "replay_id" not in {c["name"] for c in inspect(db.engine).get_columns("deliveries")}
+        db.engine.dispose()
