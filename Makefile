@@ -61,7 +61,7 @@ stop:
 # or a latency (marked serial), so that the others' load cannot skew them.
 TEST_WORKERS ?= 4
 test: $(VENV)/.installed
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" --durations=40 $(PYTEST_ARGS)
 	$(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
