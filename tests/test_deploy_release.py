@@ -11,7 +11,7 @@ import os
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +51,31 @@ def flask(
     )
 
 
+def lock_sqlite(sa_url: str) -> Callable[[], None]:
+    """Hold the write lock every upgrade needs, until the function returned is called."""
+    blocker = sqlite3.connect(sa_url.removeprefix("sqlite:///"), isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+
+    def release() -> None:
+        blocker.rollback()
+        blocker.close()
+
+    return release
+
+
+def lock_entity_versions(sa_url: str) -> Callable[[], None]:
+    """Hold a lock on the table 0010 indexes, until the function returned is called."""
+    engine = create_engine(sa_url)
+    holder = engine.connect()
+    holder.execute(text("LOCK TABLE entity_versions IN ACCESS EXCLUSIVE MODE"))
+
+    def release() -> None:
+        holder.close()
+        engine.dispose()
+
+    return release
+
+
 def test_two_release_steps_at_once_both_succeed_and_migrate_once(database, tmp_path):
     cli_url, sa_url = database
     first = flask(cli_url, "db", "upgrade", "0009")
@@ -59,14 +84,9 @@ def test_two_release_steps_at_once_both_succeed_and_migrate_once(database, tmp_p
 
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     if sa_url.startswith("sqlite"):
-        blocker = sqlite3.connect(sa_url.removeprefix("sqlite:///"), isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")  # the write lock every upgrade needs
-        release = blocker.rollback
+        release = lock_sqlite(sa_url)
     else:
-        engine = create_engine(sa_url)
-        holder = engine.connect()
-        holder.execute(text("LOCK TABLE entity_versions IN ACCESS EXCLUSIVE MODE"))
-        release = holder.close
+        release = lock_entity_versions(sa_url)
     try:
         upgrades = []
         for log in logs:
@@ -101,14 +121,9 @@ def test_an_upgrade_outlasting_the_apps_timeouts_runs_to_its_end(database, tmp_p
     assert first.returncode == 0, output
 
     if sa_url.startswith("sqlite"):
-        blocker = sqlite3.connect(sa_url.removeprefix("sqlite:///"), isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")
-        release, held = blocker.rollback, 12.0
+        release, held = lock_sqlite(sa_url), 12.0
     else:
-        engine = create_engine(sa_url)
-        holder = engine.connect()
-        holder.execute(text("LOCK TABLE entity_versions IN ACCESS EXCLUSIVE MODE"))
-        release, held = holder.close, 4.0
+        release, held = lock_entity_versions(sa_url), 4.0
     log = tmp_path / "upgrade.log"
     try:
         with open(log, "w") as out:
