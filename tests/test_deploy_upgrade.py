@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     inspect,
     select,
+    text,
 )
 from sqlalchemy.engine import Connection
 
@@ -217,4 +218,44 @@ def test_a_revision_that_fails_leaves_the_database_as_it_was(empty_app):
         tables = set(inspect(db.engine).get_table_names())
         assert not tables & {"broker_positions", "replays", "delivery_attempts"}
         assert "replay_id" not in {c["name"] for c in inspect(db.engine).get_columns("deliveries")}
+        db.engine.dispose()
+
+
+def test_0003_counts_refusals_that_share_a_time_instead_of_failing(empty_app):
+    # Before 0003 each refusal was a row stamped with utcnow(): two web
+    # processes refusing one sender's flood wrote rows with the same source,
+    # reason, address and microsecond, which 0003's unique constraint refuses.
+    at = "2026-12-02 10:00:00.123456"
+    rows = [("s", "bad-signature", "203.0.113.9", at)] * 3 + [
+        ("s", "bad-signature", "203.0.113.9", "2026-12-02 10:00:01"),
+        ("s", "bad-signature", None, at),
+        ("s", "bad-signature", None, at),
+    ]
+    with empty_app.app_context():
+        upgrade(revision="0002")
+        with db.engine.begin() as conn:
+            for source, reason, address, received_at in rows:
+                conn.execute(
+                    text(
+                        "INSERT INTO rejections (source, reason, detail, remote_addr, received_at)"
+                        " VALUES (:source, :reason, 'd', :address, :at)"
+                    ),
+                    {"source": source, "reason": reason, "address": address, "at": received_at},
+                )
+        upgrade()
+        with db.engine.connect() as conn:
+            kept = conn.execute(
+                text(
+                    "SELECT remote_addr, seen_count FROM rejections"
+                    " ORDER BY remote_addr NULLS LAST, received_at, id"
+                )
+            ).all()
+        # Every refusal still counted: the three that shared a time are one row of 3.
+        assert [tuple(row) for row in kept] == [
+            ("203.0.113.9", 3),
+            ("203.0.113.9", 1),
+            (None, 1),
+            (None, 1),
+        ]
+        assert schema_diff() == []
         db.engine.dispose()
