@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from werkzeug.datastructures import Headers
@@ -81,9 +81,10 @@ def receive(
     provider = get_provider(source.provider)
     content_type = headers.get("Content-Type", "")
     json_required = needs_json(source)
-    parsed, json_error = _parse(body, content_type, json_required)
+    # The body is parsed only once its signature is checked: a forged body
+    # just under the limit could take a second to parse, the HMAC a millisecond.
     inbound = Inbound(
-        body=body, headers=headers, content_type=content_type, json=parsed, now=time.time()
+        body=body, headers=headers, content_type=content_type, json=None, now=time.time()
     )
     try:
         provider.verify(inbound, source)
@@ -99,6 +100,8 @@ def receive(
             "timestamp-out-of-tolerance" if reason == "timestamp" else "signature-invalid",
             str(exc),
         ) from exc
+    parsed, json_error = _parse(body, content_type, json_required)
+    inbound = replace(inbound, json=parsed)
     try:
         return _receive_verified(
             source,
