@@ -7,7 +7,8 @@ session there also saves its signing set-up on the hot paths.
 The cookie is scoped to the admin's path (``Path=/admin``, under the app's
 script root when mounted below one): with ``Path=/`` a browser sent it with
 every webhook and API request to the host, and to any other app served
-there under another path.
+there under another path. It is ``Secure`` whenever the request came over
+HTTPS, whatever ``SESSION_COOKIE_SECURE`` says.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ class AdminOnlySessionInterface(SecureCookieSessionInterface):
         """The admin's path: setting and clearing the cookie both use it, or a clear misses."""
         root = request.script_root if has_request_context() else ""
         return (root or "") + ADMIN_PREFIX
+
+    def get_cookie_secure(self, app: Flask) -> bool:
+        """Secure when configured, and always when this request came over HTTPS.
+
+        The setting defaults to off (plain-HTTP development): an admin served
+        over TLS without it handed out a cookie the browser also sends over
+        plain HTTP, to anyone on the path who makes it ask http://<host>/admin/.
+        """
+        secure = super().get_cookie_secure(app)
+        return secure or (has_request_context() and request.is_secure)
 
     def save_session(self, app: Flask, session: SessionMixin, response: Response) -> None:
         """Save as Flask does; whenever that writes the cookie, expire an unscoped one too.
