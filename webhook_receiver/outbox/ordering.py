@@ -6,10 +6,11 @@ kept per consumer and entity, since consumers may filter event types
 differently: the ``entity_versions`` row's ``entity`` is
 ``<consumer>:<entity id>`` (consumer names hold no ``:``).
 
-Versions compare as numbers when they are numbers (or digit strings), else as
-strings (ISO 8601 timestamps of one format sort right). They are stored in a
-form whose string order is that order, so the database can decide in one
-conditional statement.
+Versions compare as numbers when they are numbers (or digit strings), as
+instants when they are RFC 3339 timestamps with an offset (``Z`` or
+``+02:00``: any offset, any digits of a second's fraction), else as strings.
+They are stored in a form whose string order is that order, so the database
+can decide in one conditional statement.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime
-from decimal import Decimal, InvalidOperation
+from datetime import datetime, timedelta
+from decimal import Context, Decimal, InvalidOperation
 from typing import Any
 
 from sqlalchemy import exists
@@ -35,6 +36,14 @@ log = logging.getLogger(__name__)
 _t = EntityVersion.__table__
 _NUMBER = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 _MAX_NUMBER = Decimal(10) ** 24
+_NANO = Decimal("1e-9")
+_WIDE = Context(prec=40)
+# RFC 3339's date-time: a fraction's digits vary and '.' sorts below 'Z' and
+# the offsets, so as strings a later instant could sort first.
+_TIMESTAMP = re.compile(
+    r"^([0-9]{4}-[0-9]{2}-[0-9]{2})[Tt ]([0-9]{2}:[0-9]{2}:[0-9]{2})(?:\.([0-9]{1,9}))?"
+    r"(?:([Zz])|([+-])([0-9]{2}):([0-9]{2}))$"
+)
 STALE = "stale: a newer version of this entity was already applied"
 
 
@@ -47,7 +56,13 @@ class Key:
 
 
 def sortable(value: Any) -> str | None:
-    """Encode a version so that string order is version order; None if unusable."""
+    """Encode a version so that string order is version order; None if unusable.
+
+    Negative numbers ("m") sort below the others ("n"), numbers below
+    timestamps ("t", after the strings, so that a row written when
+    timestamps compared as strings is taken for older, not newer), strings
+    ("s") between.
+    """
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float) or (isinstance(value, str) and _NUMBER.match(value)):
@@ -55,12 +70,35 @@ def sortable(value: Any) -> str | None:
             number = Decimal(str(value))
         except InvalidOperation:
             return None
-        if not number.is_finite() or number < 0 or number >= _MAX_NUMBER:
+        if not number.is_finite() or abs(number) >= _MAX_NUMBER:
             return None
+        # To the nanosecond, in a context with the digits 24 + 9 need.
+        number = number.quantize(_NANO, context=_WIDE)
+        if number.is_zero():
+            number = number.copy_abs()  # -0 is 0
+        if number < 0:
+            # Complemented: the more negative, the lower.
+            return "m" + format(_WIDE.add(_MAX_NUMBER, number), "034.9f")
         return "n" + format(number, "034.9f")
     if isinstance(value, str) and 0 < len(value) < 100:
-        return "s" + value
+        return _instant(value) or "s" + value
     return None
+
+
+def _instant(value: str) -> str | None:
+    """An RFC 3339 timestamp as its UTC instant to the nanosecond; None if not one."""
+    match = _TIMESTAMP.match(value)
+    if match is None:
+        return None
+    day, time, fraction, utc, sign, hours, minutes = match.groups()
+    try:
+        instant = datetime.fromisoformat(f"{day}T{time}")
+        if not utc:
+            offset = timedelta(hours=int(hours), minutes=int(minutes))
+            instant -= offset if sign == "+" else -offset
+    except (ValueError, OverflowError):
+        return None  # not a date (month 13, a leap second), or past year 1 or 9999
+    return f"t{instant.isoformat(timespec='seconds')}.{(fraction or '').ljust(9, '0')}"
 
 
 def key_for(consumer: str, body: bytes, version_pointer: str, entity_pointer: str) -> Key | None:
@@ -78,6 +116,7 @@ def key_for(consumer: str, body: bytes, version_pointer: str, entity_pointer: st
         return None
     qualified = f"{consumer}:{entity}"
     if len(qualified) > 512:
+        log.warning("event's entity is longer than 512 characters, applying unordered")
         return None
     if not (_storable(qualified) and _storable(encoded)):
         # JSON's \u0000 or a lone surrogate escape: PostgreSQL's text holds
