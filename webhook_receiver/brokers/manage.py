@@ -110,22 +110,35 @@ def brokers_group() -> None:
 @with_appcontext
 def declare_command(sources: tuple[str, ...], queue_type: str) -> None:
     """Declare the queues, exchanges and streams the named broker sources (all by default) use."""
+    failed = 0
     for source in _chosen(sources):
-        say = functools.partial(_say, source.name)
-        if source.provider == "rabbitmq":
-            declare_rabbitmq(source, say, queue_type)
-        elif source.provider == "redis":
-            declare_redis(source, say)
-        elif source.provider == "mqtt":
-            declare_mqtt(source, say)
-        elif source.provider == "sqs":
-            declare_sqs(source, say)
-        elif source.provider == "pubsub":
-            declare_pubsub(source, say)
-        elif source.provider == "nats":
-            asyncio.run(declare_jetstream(source, say))
-        else:
-            raise _not_here(source, "its topics with Kafka's own tools (kafka-topics.sh --create)")
+        # One source's failure is its line: the others are declared all the
+        # same, and the exit status says that something failed.
+        try:
+            _declare(source, queue_type)
+        except click.ClickException as exc:
+            exc.show()
+            failed += 1
+    if failed:
+        raise SystemExit(1)
+
+
+def _declare(source: BrokerSourceConfig, queue_type: str) -> None:
+    say = functools.partial(_say, source.name)
+    if source.provider == "rabbitmq":
+        declare_rabbitmq(source, say, queue_type)
+    elif source.provider == "redis":
+        declare_redis(source, say)
+    elif source.provider == "mqtt":
+        declare_mqtt(source, say)
+    elif source.provider == "sqs":
+        declare_sqs(source, say)
+    elif source.provider == "pubsub":
+        declare_pubsub(source, say)
+    elif source.provider == "nats":
+        asyncio.run(declare_jetstream(source, say))
+    else:
+        raise _not_here(source, "its topics with Kafka's own tools (kafka-topics.sh --create)")
 
 
 def _say(name: str, line: str) -> None:
