@@ -26,6 +26,7 @@ import boto3
 import botocore.exceptions
 import click
 import google.api_core.exceptions as api_exceptions
+import google.auth.exceptions
 from google.cloud import pubsub_v1
 
 from .. import pointers
@@ -166,9 +167,17 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
 @contextmanager
 def _pubsub_clients(source: BrokerSourceConfig) -> Iterator[tuple[Any, Any]]:
     """A publisher and a subscriber client, closed after; a Google error as the command's."""
-    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        # The clients look for credentials when made (no emulator, no
+        # application default credentials: DefaultCredentialsError).
+        publisher = pubsub_v1.PublisherClient()
+        subscriber = pubsub_v1.SubscriberClient()
+    except google.auth.exceptions.GoogleAuthError as exc:
+        raise _fail(source, f"Pub/Sub: no credentials: {_describe(exc)}") from exc
     try:
         yield publisher, subscriber
+    except google.auth.exceptions.GoogleAuthError as exc:
+        raise _fail(source, f"Pub/Sub: credentials refused: {_describe(exc)}") from exc
     except _GOOGLE_ERRORS as exc:
         raise _fail(source, f"Pub/Sub: {_describe(exc)}") from exc
     finally:
