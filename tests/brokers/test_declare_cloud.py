@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import google.api_core.exceptions as api_exceptions
 import pytest
+from google.cloud import pubsub_v1
+
+from .cloud_fixtures import PROJECT
 
 SOURCE = "jobs"
 
@@ -28,3 +37,98 @@ def test_pubsub_without_credentials_is_one_line(make_app, tmp_path, monkeypatch,
     error = _one_line_error(result)
     assert error.startswith(f"Error: source {SOURCE}: Pub/Sub: no credentials: ")
     assert "missing.json was not found" in error
+
+
+# -- Pub/Sub: what exists already --------------------------------------------------
+
+
+@pytest.fixture
+def pubsub_names(pubsub_host) -> Iterator[PubsubNames]:
+    names = PubsubNames(f"wr-declare-{uuid.uuid4().hex[:10]}")
+    yield names
+    names.delete()
+
+
+@dataclass
+class PubsubNames:
+    """A test's subscription and dead-letter topic names; everything under them deleted after."""
+
+    name: str
+
+    def topic(self, suffix: str = "") -> str:
+        return f"projects/{PROJECT}/topics/{self.name}{suffix}"
+
+    def subscription(self, suffix: str = "") -> str:
+        return f"projects/{PROJECT}/subscriptions/{self.name}{suffix}"
+
+    def source(self) -> dict[str, Any]:
+        return {
+            "provider": "pubsub",
+            "project": PROJECT,
+            "subscription": self.name,
+            "dead_letter_topic": f"{self.name}.dead",
+        }
+
+    def delete(self) -> None:
+        publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+        try:
+            for suffix in ("", ".dead", ".other"):
+                try:
+                    subscriber.delete_subscription(subscription=self.subscription(suffix))
+                except api_exceptions.NotFound:
+                    pass
+                try:
+                    publisher.delete_topic(topic=self.topic(suffix))
+                except api_exceptions.NotFound:
+                    pass
+        finally:
+            subscriber.close()
+
+
+def test_pubsub_declare_twice_says_exists(make_app, pubsub_names):
+    app = make_app({"sources": {SOURCE: pubsub_names.source()}})
+    first = app.test_cli_runner().invoke(args=["brokers", "declare"])
+    assert first.exit_code == 0, first.output
+    assert [line.rsplit(": ", 1)[1] for line in first.output.splitlines()] == ["created"] * 4
+    again = app.test_cli_runner().invoke(args=["brokers", "declare"])
+    assert again.exit_code == 0, again.output
+    assert [line.rsplit(": ", 1)[1] for line in again.output.splitlines()] == ["exists"] * 3
+
+
+def test_a_dead_letter_subscription_on_another_topic_is_named(make_app, pubsub_names):
+    # The subscription that should keep the dead letters reads another topic:
+    # they would be published to a topic nothing keeps, and lost.
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        publisher.create_topic(name=pubsub_names.topic(".other"))
+        subscriber.create_subscription(
+            name=pubsub_names.subscription(".dead"), topic=pubsub_names.topic(".other")
+        )
+    finally:
+        subscriber.close()
+    app = make_app({"sources": {SOURCE: pubsub_names.source()}})
+    error = _one_line_error(app.test_cli_runner().invoke(args=["brokers", "declare"]))
+    assert error == (
+        f"Error: source {SOURCE}: subscription {pubsub_names.subscription('.dead')!r} "
+        f"exists on topic {pubsub_names.topic('.other')!r}, not "
+        f"{pubsub_names.topic('.dead')!r}: delete it, or change the source's dead_letter_topic"
+    )
+
+
+def test_a_subscription_whose_topic_was_deleted_is_named(make_app, pubsub_names):
+    # Nothing reaches it any more: declare must not call it fine.
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        publisher.create_topic(name=pubsub_names.topic())
+        subscriber.create_subscription(name=pubsub_names.subscription(), topic=pubsub_names.topic())
+        publisher.delete_topic(topic=pubsub_names.topic())
+    finally:
+        subscriber.close()
+    table = {**pubsub_names.source(), "dead_letter_topic": None}
+    app = make_app({"sources": {SOURCE: {k: v for k, v in table.items() if v}}})
+    error = _one_line_error(app.test_cli_runner().invoke(args=["brokers", "declare"]))
+    assert error == (
+        f"Error: source {SOURCE}: subscription {pubsub_names.subscription()!r} exists, "
+        "but its topic was deleted: nothing reaches it; delete the subscription and "
+        "declare again"
+    )

@@ -44,6 +44,8 @@ FIFO_GROUP = "webhook-receiver"
 # The ack deadline of a subscription declare makes: the consumer extends it
 # for a batch that takes longer.
 ACK_DEADLINE_SECONDS = 60
+# The topic Pub/Sub names for a subscription whose topic was deleted.
+_DELETED_TOPIC = "_deleted-topic_"
 
 
 def _fail(source: BrokerSourceConfig, problem: str) -> click.ClickException:
@@ -151,14 +153,30 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
         if dead:
             say(_put_topic(publisher, dead))
             keeper = dead.replace("/topics/", "/subscriptions/", 1)
-            say(_put_subscription(subscriber, keeper, dead, "keeps the dead letters"))
+            line = _put_subscription(subscriber, keeper, dead, "keeps the dead letters")
+            # One of that name on another topic keeps none of them.
+            held = subscriber.get_subscription(subscription=keeper, timeout=10).topic
+            if held != dead:
+                raise _fail(
+                    source,
+                    f"subscription {keeper!r} exists on topic {held!r}, not {dead!r}: "
+                    "delete it, or change the source's dead_letter_topic",
+                )
+            say(line)
         path = source.subscription or ""
         try:
-            subscriber.get_subscription(subscription=path, timeout=10)
+            held = subscriber.get_subscription(subscription=path, timeout=10).topic
+        except api_exceptions.NotFound:
+            held = None
+        if held == _DELETED_TOPIC:
+            raise _fail(
+                source,
+                f"subscription {path!r} exists, but its topic was deleted: nothing reaches it; "
+                "delete the subscription and declare again",
+            )
+        if held is not None:
             say(f"subscription {path!r}: exists")
             return
-        except api_exceptions.NotFound:
-            pass
         topic = path.replace("/subscriptions/", "/topics/", 1)
         say(_put_topic(publisher, topic))
         say(_put_subscription(subscriber, path, topic, f"ack deadline {ACK_DEADLINE_SECONDS} s"))
