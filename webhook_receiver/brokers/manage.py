@@ -47,7 +47,7 @@ from .cloud_setup import (
     publish_sqs,
     read_body,
 )
-from .mqtt_setup import declare_mqtt, publish_mqtt
+from .mqtt_setup import declare_mqtt, declare_mqtt_dead_letters, publish_mqtt
 from .redis_setup import declare_redis, publish_redis
 
 # A quorum queue's requeues count towards its delivery limit on RabbitMQ 4.0
@@ -131,6 +131,7 @@ def _declare(source: BrokerSourceConfig, queue_type: str) -> None:
         declare_redis(source, say)
     elif source.provider == "mqtt":
         declare_mqtt(source, say)
+        declare_mqtt_dead_letters(source, say)
     elif source.provider == "sqs":
         declare_sqs(source, say)
     elif source.provider == "pubsub":

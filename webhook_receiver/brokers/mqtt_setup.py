@@ -4,15 +4,16 @@ An MQTT broker keeps a message only for a session that has subscribed to
 its topic: ``declare`` makes the source's persistent session (its
 ``client_id``, clean start off, the consumer's session expiry) and
 subscribes it to ``topics`` with QoS 1, so that what is published from
-then on waits for the consumer. ``publish`` sends one message with QoS 1,
-the key and type in user properties (or the type as the topic), and waits
-for the broker's PUBACK.
+then on waits for the consumer; and a session of the ``dead_letter_topic``'s
+name subscribed to it, which keeps the dead letters. ``publish`` sends one
+message with QoS 1, the key and type in user properties (or the type as
+the topic), and waits for the broker's PUBACK.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -21,6 +22,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ..config import BrokerSourceConfig
 from ..config.brokers import mqtt_topic_matches
@@ -99,18 +101,40 @@ class _Connection:
 def declare_mqtt(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
     """Make the source's persistent session, subscribed to its topics with QoS 1."""
     client_id = source.client_id or ""
+    state = _subscribed_session(source, client_id, source.topics)
+    say(f"session {client_id!r} ({', '.join(source.topics)}, QoS 1): {state}")
+
+
+def declare_mqtt_dead_letters(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
+    """Make a persistent session of the dead-letter topic's name, subscribed to it.
+
+    The broker keeps a dead letter only for a session subscribed to its
+    topic; without one, its PUBACK says no subscription took it, and the
+    consumer gets the original again on every connection.
+    """
+    dead = source.dead_letter_topic
+    if dead:
+        state = _subscribed_session(source, dead, [dead])
+        say(f"session {dead!r} ({dead}, QoS 1, keeps the dead letters): {state}")
+
+
+def _subscribed_session(source: BrokerSourceConfig, client_id: str, topics: Sequence[str]) -> str:
+    """Subscribe the persistent session ``client_id`` to ``topics``: created, or exists."""
     connection = _Connection(source, client_id, session=True)
     try:
-        connection.client.subscribe([(topic, 1) for topic in source.topics])
+        # Retain handling 1, as the consumer subscribes: a topic's retained
+        # message goes to the session when its subscription is new, not
+        # again (a second copy) each time declare is run.
+        options = SubscribeOptions(qos=1, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
+        connection.client.subscribe([(topic, options) for topic in topics])
         refused = [
             f"{topic} ({code})"
-            for topic, code in zip(source.topics, connection.wait("suback"), strict=False)
+            for topic, code in zip(topics, connection.wait("suback"), strict=False)
             if code.is_failure
         ]
         if refused:
             raise _fail(source, f"the broker refused the subscription to {', '.join(refused)}")
-        state = "exists" if connection.session_present else "created"
-        say(f"session {client_id!r} ({', '.join(source.topics)}, QoS 1): {state}")
+        return "exists" if connection.session_present else "created"
     finally:
         connection.close()
 
