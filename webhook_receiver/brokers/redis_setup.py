@@ -49,7 +49,17 @@ def declare_redis(source: BrokerSourceConfig, say: Callable[[str], None]) -> Non
             say(f"{shown}: exists")
         dead = source.dead_letter_stream
         if dead:
-            state = "exists" if client.exists(dead) else "made by its first entry"
+            kind = client.type(dead)
+            kind = kind.decode() if isinstance(kind, bytes) else kind
+            if kind not in ("none", "stream"):
+                # XADD refuses it: the consumer would read its batch again and again.
+                raise _fail(
+                    source,
+                    f"key {dead!r} (dead_letter_stream) holds a {kind}, not a stream: "
+                    "no dead letter can be added to it; delete it, or change the "
+                    "source's dead_letter_stream",
+                )
+            state = "exists" if kind == "stream" else "made by its first entry"
             say(f"stream {dead!r} (dead letters): {state}")
     except _ERRORS as exc:
         raise _fail(source, f"Redis at {source.safe_url}: {exc}") from exc
