@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import google.api_core.exceptions as api_exceptions
 import pytest
 from google.cloud import pubsub_v1
 
-from .cloud_fixtures import PROJECT
+from .cloud_fixtures import PROJECT, SqsQueue, sqs_source
 
 SOURCE = "jobs"
 
@@ -131,4 +132,54 @@ def test_a_subscription_whose_topic_was_deleted_is_named(make_app, pubsub_names)
         f"Error: source {SOURCE}: subscription {pubsub_names.subscription()!r} exists, "
         "but its topic was deleted: nothing reaches it; delete the subscription and "
         "declare again"
+    )
+
+
+# -- SQS: what exists already -------------------------------------------------------
+
+
+def test_sqs_declare_twice_says_exists(make_app, sqs_endpoint):
+    queue = SqsQueue(sqs_endpoint, f"wr-declare-{uuid.uuid4().hex[:10]}")
+    try:
+        fifo = {"FifoQueue": "true"}
+        sqs = queue.client()
+        # The URLs the source names: moto's, for queues not made yet.
+        queue.url = sqs.create_queue(QueueName=f"{queue.name}.fifo", Attributes=fifo)["QueueUrl"]
+        queue.dead_url = sqs.create_queue(QueueName=f"{queue.name}-dead.fifo", Attributes=fifo)[
+            "QueueUrl"
+        ]
+        queue.delete()
+        table = {**sqs_source(queue), "dedup_key": "deduplication_id"}
+        app = make_app({"sources": {SOURCE: table}})
+        expected = [
+            f"{SOURCE}: queue {queue.name + '-dead.fifo'!r} (FIFO): {{}}",
+            f"{SOURCE}: queue {queue.name + '.fifo'!r} (FIFO): {{}}",
+        ]
+        for state in ("created", "exists"):
+            result = app.test_cli_runner().invoke(args=["brokers", "declare"])
+            assert result.exit_code == 0, result.output
+            assert result.output.splitlines() == [line.format(state) for line in expected]
+    finally:
+        queue.delete()
+
+
+def test_a_queue_whose_redrive_policy_counts_receives_is_named(make_app, sqs_queue):
+    # declare sets no redrive policy: one made elsewhere moves a message never
+    # stored (received once per back-off through a database outage) to its
+    # dead-letter queue after maxReceiveCount receives, which declare must say.
+    sqs = sqs_queue.client()
+    arn = sqs.get_queue_attributes(QueueUrl=sqs_queue.dead_url, AttributeNames=["QueueArn"])[
+        "Attributes"
+    ]["QueueArn"]
+    policy = {"deadLetterTargetArn": arn, "maxReceiveCount": "5"}
+    sqs.set_queue_attributes(
+        QueueUrl=sqs_queue.url, Attributes={"RedrivePolicy": json.dumps(policy)}
+    )
+    app = make_app({"sources": {SOURCE: sqs_source(sqs_queue)}})
+    result = app.test_cli_runner().invoke(args=["brokers", "declare"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == (
+        f"{SOURCE}: queue {sqs_queue.name!r}: exists; its redrive policy moves a message "
+        f"received 5 times to {sqs_queue.dead!r}, a database outage's receives too: "
+        "raise maxReceiveCount far above the outages to ride out"
     )

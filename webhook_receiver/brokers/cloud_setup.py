@@ -17,6 +17,7 @@ id the broker gives the message, printed, never chosen; a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -80,7 +81,7 @@ def declare_sqs(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
         attributes = {"FifoQueue": "true"} if name.endswith(".fifo") else {}
         shown = f"queue {name!r}{' (FIFO)' if attributes else ''}"
         try:
-            existed = _sqs_exists(client, url)
+            held = _sqs_attributes(client, url)
             made = client.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
         except botocore.exceptions.ClientError as exc:
             raise _fail(source, f"{shown}: {_aws_error(exc, 'Message')}") from exc
@@ -92,17 +93,36 @@ def declare_sqs(source: BrokerSourceConfig, say: Callable[[str], None]) -> None:
                 f"{shown} is {made} on {_where(source)}, not {url}: "
                 "correct the source's URL (or its region and endpoint_url)",
             )
-        say(f"{shown}: {'exists' if existed else 'created'}")
+        say(f"{shown}: {'created' if held is None else 'exists' + _redrive(held)}")
 
 
-def _sqs_exists(client: Any, url: str) -> bool:
+def _sqs_attributes(client: Any, url: str) -> dict[str, str] | None:
+    """The queue's ARN and redrive policy; None when it does not exist."""
     try:
-        client.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])
+        response = client.get_queue_attributes(
+            QueueUrl=url, AttributeNames=["QueueArn", "RedrivePolicy"]
+        )
     except botocore.exceptions.ClientError as exc:
         if _aws_error(exc, "Code") in _NO_QUEUE:
-            return False
+            return None
         raise
-    return True
+    return dict(response.get("Attributes") or {})
+
+
+def _redrive(attributes: dict[str, str]) -> str:
+    """What a redrive policy made elsewhere does, for the line (declare sets none)."""
+    try:
+        policy = json.loads(attributes["RedrivePolicy"])
+        count, target = policy["maxReceiveCount"], str(policy["deadLetterTargetArn"])
+    except (KeyError, TypeError, ValueError):
+        return ""
+    # Every receive counts, the consumer's once per back-off while the
+    # database is away: a low count moves messages never stored.
+    return (
+        f"; its redrive policy moves a message received {count} times to "
+        f"{target.rpartition(':')[2]!r}, a database outage's receives too: "
+        "raise maxReceiveCount far above the outages to ride out"
+    )
 
 
 def _where(source: BrokerSourceConfig) -> str:
