@@ -34,7 +34,7 @@ import pika
 import pika.exceptions
 from flask import current_app
 from flask.cli import with_appcontext
-from nats.js.api import StreamConfig
+from nats.js.api import RetentionPolicy, StreamConfig
 
 from ..config import BrokerSourceConfig, FileConfig, parse_broker_spec, subject_covers
 from ..outbox.ordering import resolve_pointer
@@ -410,13 +410,26 @@ async def _declare_streams(source: BrokerSourceConfig, js: Any, say: Callable[[s
             f"dead_letter_subject {dead!r} is taken by stream {stream!r} ({captured[0]}), "
             "the source's own: choose a subject outside it",
         )
-    say(await _put_stream(js, stream, info, subjects))
     if dead:
         try:
             name = await js.find_stream_name_by_subject(dead)
         except nats.js.errors.NotFoundError:
             name = dead_letter_stream(stream)
         held = await _stream_info(js, name)
+        if (
+            held is not None
+            and held.config.retention == RetentionPolicy.INTEREST
+            and not held.state.consumer_count
+        ):
+            # It keeps a message only for the consumers there are: none.
+            raise _fail(
+                source,
+                f"stream {name!r}, which takes dead_letter_subject {dead!r}, has interest "
+                "retention and no consumer: it would drop every dead letter; give it a "
+                "consumer, or give the subject a stream with limits retention",
+            )
+    say(await _put_stream(js, stream, info, subjects))
+    if dead:
         taken = list(held.config.subjects or []) if held else []
         if not any(subject_covers(subject, dead) for subject in taken):
             taken.append(dead)
