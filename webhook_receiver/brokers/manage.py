@@ -267,14 +267,42 @@ def _amqp_step(
     try:
         declare(channel)
     except pika.exceptions.ChannelClosedByBroker as exc:
-        # PRECONDITION_FAILED: it exists with other arguments, named in the reply.
-        raise _fail(
-            source,
-            f"{what} exists with other settings ({exc.reply_text}); "
-            "delete it, or change the source's queue",
-        ) from exc
+        raise _other_settings(source, what, exc) from exc
     channel.close()
     return f"{what}: {'exists' if existed else 'created'}"
+
+
+def _other_settings(
+    source: BrokerSourceConfig, what: str, exc: pika.exceptions.ChannelClosedByBroker
+) -> click.ClickException:
+    # PRECONDITION_FAILED: it exists with other arguments, named in the reply.
+    return _fail(
+        source,
+        f"{what} exists with other settings ({exc.reply_text}); "
+        "delete it, or change the source's queue",
+    )
+
+
+def _same_if_there(
+    connection: Any,
+    source: BrokerSourceConfig,
+    what: str,
+    check: Callable[[Any], Any],
+    declare: Callable[[Any], Any],
+) -> None:
+    """Refuse what exists with other arguments, before anything is made for it."""
+    channel = connection.channel()
+    try:
+        check(channel)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == _NOT_FOUND:
+            return
+        raise _fail(source, f"{what}: {exc.reply_text}") from exc
+    try:
+        declare(channel)  # with the arguments it has, this changes nothing
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _other_settings(source, what, exc) from exc
+    channel.close()
 
 
 def declare_rabbitmq(
@@ -287,7 +315,17 @@ def declare_rabbitmq(
     arguments = {**typed, "x-dead-letter-exchange": dlx}
     if queue_type == "quorum":
         arguments["x-delivery-limit"] = DELIVERY_LIMIT
+    shown = f"queue {queue!r} ({queue_type}, dead letters to {dlx!r})"
     with _amqp(source, "declare") as connection:
+        # A queue that refuses these arguments would leave the dead-letter
+        # exchange and queue made for it feeding nothing.
+        _same_if_there(
+            connection,
+            source,
+            shown,
+            lambda ch: ch.queue_declare(queue, passive=True),
+            lambda ch: ch.queue_declare(queue, durable=True, arguments=arguments),
+        )
         say(
             _amqp_step(
                 connection,
@@ -310,7 +348,7 @@ def declare_rabbitmq(
             _amqp_step(
                 connection,
                 source,
-                f"queue {queue!r} ({queue_type}, dead letters to {dlx!r})",
+                shown,
                 lambda ch: ch.queue_declare(queue, passive=True),
                 lambda ch: ch.queue_declare(queue, durable=True, arguments=arguments),
             )
