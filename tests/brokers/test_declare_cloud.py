@@ -183,3 +183,14 @@ def test_a_queue_whose_redrive_policy_counts_receives_is_named(make_app, sqs_que
         f"received 5 times to {sqs_queue.dead!r}, a database outage's receives too: "
         "raise maxReceiveCount far above the outages to ride out"
     )
+
+
+@pytest.mark.parametrize("command", [("declare",), ("publish", SOURCE, "{}")])
+def test_pubsub_away_gives_up_within_the_commands_own_timeout(make_app, monkeypatch, command):
+    # Google's default retry of these calls goes on for 60 s; an operator's
+    # command says the emulator (or Pub/Sub) is away after its own 10 s.
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:1")
+    table = {"provider": "pubsub", "project": "my-project", "subscription": "jobs-receiver"}
+    app = make_app({"sources": {SOURCE: table}})
+    error = _one_line_error(app.test_cli_runner().invoke(args=["brokers", *command]))
+    assert error.startswith(f"Error: source {SOURCE}: Pub/Sub: RetryError: Timeout of 10.0s")

@@ -44,3 +44,30 @@ def test_a_source_that_fails_leaves_the_others_declared_and_the_exit_status_1(ma
         assert redis.Redis.from_url(redis_url).exists(stream)
     finally:
         redis.Redis.from_url(redis_url).delete(stream)
+
+
+def test_every_broker_away_is_one_line_each_without_its_password(make_app, monkeypatch):
+    # Nothing listens on port 1: each source's failure is its one line.
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    sources = {
+        "rabbit": {"provider": "rabbitmq", "url": "amqp://u:s3cret@127.0.0.1:1/%2F", "queue": "q"},
+        "jet": {"provider": "nats", "url": "nats://u:s3cret@127.0.0.1:1", "stream": "S"},
+        "streams": {"provider": "redis", "url": "redis://:s3cret@127.0.0.1:1/0", "stream": "s"},
+        "devices": {"provider": "mqtt", "url": "mqtt://u:s3cret@127.0.0.1:1", "topics": ["d/#"]},
+        "jobs": {
+            "provider": "sqs",
+            "queue_url": "http://127.0.0.1:1/000000000000/jobs",
+            "region": "eu-west-1",
+            "endpoint_url": "http://127.0.0.1:1",
+        },
+        "pulls": {"provider": "pubsub", "project": "my-project", "subscription": "jobs-receiver"},
+    }
+    app = make_app({"sources": sources})
+    result = app.test_cli_runner().invoke(args=["brokers", "declare"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert "s3cret" not in result.output
+    lines = result.output.splitlines()
+    assert [line.split(":", 2)[1] for line in lines] == [f" source {name}" for name in sources]

@@ -28,6 +28,7 @@ import botocore.exceptions
 import click
 import google.api_core.exceptions as api_exceptions
 import google.auth.exceptions
+from google.api_core import retry as api_retry
 from google.cloud import pubsub_v1
 
 from .. import pointers
@@ -45,6 +46,16 @@ FIFO_GROUP = "webhook-receiver"
 # The ack deadline of a subscription declare makes: the consumer extends it
 # for a batch that takes longer.
 ACK_DEADLINE_SECONDS = 60
+# Google's default retry of a call goes on for 60 s: a Pub/Sub that is
+# away is said to be within the command's own 10 s.
+_RETRY = api_retry.Retry(
+    predicate=api_retry.if_exception_type(
+        api_exceptions.Aborted, api_exceptions.ServiceUnavailable, api_exceptions.Unknown
+    ),
+    initial=0.1,
+    maximum=2.0,
+    timeout=10.0,
+)
 # The topic Pub/Sub names for a subscription whose topic was deleted.
 _DELETED_TOPIC = "_deleted-topic_"
 
@@ -175,7 +186,7 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
             keeper = dead.replace("/topics/", "/subscriptions/", 1)
             line = _put_subscription(subscriber, keeper, dead, "keeps the dead letters")
             # One of that name on another topic keeps none of them.
-            held = subscriber.get_subscription(subscription=keeper, timeout=10).topic
+            held = subscriber.get_subscription(subscription=keeper, retry=_RETRY, timeout=10).topic
             if held != dead:
                 raise _fail(
                     source,
@@ -185,7 +196,7 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
             say(line)
         path = source.subscription or ""
         try:
-            held = subscriber.get_subscription(subscription=path, timeout=10).topic
+            held = subscriber.get_subscription(subscription=path, retry=_RETRY, timeout=10).topic
         except api_exceptions.NotFound:
             held = None
         if held == _DELETED_TOPIC:
@@ -225,7 +236,7 @@ def _pubsub_clients(source: BrokerSourceConfig) -> Iterator[tuple[Any, Any]]:
 
 def _put_topic(publisher: Any, topic: str) -> str:
     return _created_or_exists(
-        f"topic {topic!r}", lambda: publisher.create_topic(name=topic, timeout=10)
+        f"topic {topic!r}", lambda: publisher.create_topic(name=topic, retry=_RETRY, timeout=10)
     )
 
 
@@ -233,7 +244,7 @@ def _put_subscription(subscriber: Any, path: str, topic: str, what: str) -> str:
     request = {"name": path, "topic": topic, "ack_deadline_seconds": ACK_DEADLINE_SECONDS}
     return _created_or_exists(
         f"subscription {path!r} (of {topic!r}, {what})",
-        lambda: subscriber.create_subscription(request=request, timeout=10),
+        lambda: subscriber.create_subscription(request=request, retry=_RETRY, timeout=10),
     )
 
 
@@ -250,7 +261,9 @@ def publish_pubsub(source: BrokerSourceConfig, body: bytes, placed: Placed) -> s
     """Publish one message to the subscription's topic; the line to print (its message id)."""
     with _pubsub_clients(source) as (publisher, subscriber):
         try:
-            topic = subscriber.get_subscription(subscription=source.subscription, timeout=10).topic
+            topic = subscriber.get_subscription(
+                subscription=source.subscription, retry=_RETRY, timeout=10
+            ).topic
         except api_exceptions.NotFound as exc:
             raise _not_declared(source, f"subscription {source.subscription!r}") from exc
         message_id = publish_exactly(publisher, topic, body, placed.attributes, 30)
