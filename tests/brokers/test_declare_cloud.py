@@ -194,3 +194,31 @@ def test_pubsub_away_gives_up_within_the_commands_own_timeout(make_app, monkeypa
     app = make_app({"sources": {SOURCE: table}})
     error = _one_line_error(app.test_cli_runner().invoke(args=["brokers", *command]))
     assert error.startswith(f"Error: source {SOURCE}: Pub/Sub: RetryError: Timeout of 10.0s")
+
+
+def test_a_subscriptions_dead_letter_policy_is_named(make_app, pubsub_names):
+    # declare sets none: one made elsewhere counts every delivery, a database
+    # outage's too, and moves a message never stored after so many.
+    publisher, subscriber = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    try:
+        publisher.create_topic(name=pubsub_names.topic())
+        publisher.create_topic(name=pubsub_names.topic(".other"))
+        policy = {"dead_letter_topic": pubsub_names.topic(".other"), "max_delivery_attempts": 5}
+        subscriber.create_subscription(
+            request={
+                "name": pubsub_names.subscription(),
+                "topic": pubsub_names.topic(),
+                "dead_letter_policy": policy,
+            }
+        )
+    finally:
+        subscriber.close()
+    table = {k: v for k, v in pubsub_names.source().items() if k != "dead_letter_topic"}
+    app = make_app({"sources": {SOURCE: table}})
+    result = app.test_cli_runner().invoke(args=["brokers", "declare"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"{SOURCE}: subscription {pubsub_names.subscription()!r}: exists; its dead-letter "
+        f"policy moves a message delivered 5 times to {pubsub_names.topic('.other')!r}, a "
+        "database outage's deliveries too: raise max_delivery_attempts (100 at most)"
+    ]

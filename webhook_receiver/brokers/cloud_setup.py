@@ -196,21 +196,36 @@ def declare_pubsub(source: BrokerSourceConfig, say: Callable[[str], None]) -> No
             say(line)
         path = source.subscription or ""
         try:
-            held = subscriber.get_subscription(subscription=path, retry=_RETRY, timeout=10).topic
+            found = subscriber.get_subscription(subscription=path, retry=_RETRY, timeout=10)
         except api_exceptions.NotFound:
-            held = None
+            found = None
+        held = None if found is None else found.topic
         if held == _DELETED_TOPIC:
             raise _fail(
                 source,
                 f"subscription {path!r} exists, but its topic was deleted: nothing reaches it; "
                 "delete the subscription and declare again",
             )
-        if held is not None:
-            say(f"subscription {path!r}: exists")
+        if found is not None:
+            say(f"subscription {path!r}: exists{_dead_letter_policy(found)}")
             return
         topic = path.replace("/subscriptions/", "/topics/", 1)
         say(_put_topic(publisher, topic))
         say(_put_subscription(subscriber, path, topic, f"ack deadline {ACK_DEADLINE_SECONDS} s"))
+
+
+def _dead_letter_policy(subscription: Any) -> str:
+    """What a dead-letter policy made elsewhere does, for the line (declare sets none)."""
+    policy = subscription.dead_letter_policy
+    if not policy.dead_letter_topic:
+        return ""
+    # Every delivery counts, the consumer's once per back-off while the
+    # database is away: a low count moves messages never stored. 0 is 5.
+    return (
+        f"; its dead-letter policy moves a message delivered {policy.max_delivery_attempts or 5} "
+        f"times to {policy.dead_letter_topic!r}, a database outage's deliveries too: "
+        "raise max_delivery_attempts (100 at most)"
+    )
 
 
 @contextmanager
