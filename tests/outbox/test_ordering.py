@@ -10,8 +10,8 @@ def test_numeric_versions_compare_as_numbers_and_strings_as_strings():
     assert ordering.sortable("9") < ordering.sortable("10")
     assert ordering.sortable(1.5) < ordering.sortable(2)
     assert ordering.sortable("2024-01-02T00:00:00Z") > ordering.sortable("2024-01-01T23:59:59Z")
+    assert ordering.sortable(-2) < ordering.sortable(-1) < ordering.sortable(0)
     assert ordering.sortable(True) is None
-    assert ordering.sortable(-1) is None
     assert ordering.sortable(None) is None
 
 
