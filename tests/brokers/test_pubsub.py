@@ -429,3 +429,24 @@ def test_a_copy_pub_sub_refuses_as_too_large_is_sent_without_its_reason_or_not_a
     assert refused.levelno == logging.ERROR
     assert "the message is acknowledged without one" in refused.getMessage()
     assert rejections(app, SOURCE) == {"dedup-key-missing": 2}
+
+
+def test_a_pubsub_source_without_credentials_waits_saying_so_without_a_traceback(
+    make_app, tmp_path, monkeypatch, caplog
+):
+    # No emulator and no application default credentials, as an operator
+    # who has not run `gcloud auth application-default login` meets it: the
+    # consumer failed with a traceback, and again at each restart.
+    monkeypatch.delenv("PUBSUB_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    table = {"provider": "pubsub", "project": PROJECT, "subscription": "jobs-receiver"}
+    app = make_app({"sources": {SOURCE: table}})
+    caplog.set_level(logging.INFO)
+    with consuming(app, SOURCE):
+        assert wait_until(lambda: "no credentials" in caplog.text, 10)
+        time.sleep(1.5)  # a retry or two, within the first back-off
+    said = [r for r in caplog.records if "no credentials" in r.getMessage()]
+    # Said at once, then as an outage is (after growing waits), never as a failure.
+    assert said and {r.levelno for r in said} == {logging.WARNING}
+    assert "missing.json was not found" in said[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]

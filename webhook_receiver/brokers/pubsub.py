@@ -32,6 +32,7 @@ from datetime import UTC
 from typing import Any
 
 import google.api_core.exceptions as api_exceptions
+import google.auth.exceptions
 from google.cloud import pubsub_v1
 from google.pubsub_v1.services.publisher import PublisherClient as ApiPublisher
 
@@ -79,7 +80,13 @@ class PubSubConsumer(PulledConsumer):
     _exactly_once = False
 
     def session(self) -> None:
-        subscriber = pubsub_v1.SubscriberClient()
+        try:
+            # The client looks for credentials when made: none (no emulator,
+            # no application default credentials) is the source's to wait
+            # for, said once, not a consumer's failure with a traceback.
+            subscriber = pubsub_v1.SubscriberClient()
+        except google.auth.exceptions.GoogleAuthError as exc:
+            raise SourceNotReady(f"Pub/Sub: no credentials: {exc}") from exc
         publisher: Any = None
         try:
             subscription = self._subscription(subscriber)
@@ -118,6 +125,10 @@ class PubSubConsumer(PulledConsumer):
     def _subscription(self, subscriber: Any) -> Any:
         try:
             return subscriber.get_subscription(subscription=self.source.subscription, timeout=10)
+        except google.auth.exceptions.GoogleAuthError as exc:
+            # Credentials found but refused (revoked, expired, a key file
+            # that is not one): as above.
+            raise SourceNotReady(f"Pub/Sub: credentials refused: {exc}") from exc
         except api_exceptions.NotFound as exc:
             raise SourceNotReady(
                 f"subscription {self.source.subscription!r} does not exist; "
