@@ -365,7 +365,11 @@ def test_a_failed_delivery_report_is_retried_then_the_record_written_once(
     worker = make_worker(app, clock)
     started = time.monotonic()
     assert drain(app, worker) == ["retry"]
-    assert time.monotonic() - started < TIMEOUT + 0.5
+    # Within the bound the lease needs (twice the timeout), the claim, the
+    # producer's start and the outcome's write included: not librdkafka's
+    # own message timeout (300 s). Half a second over the timeout failed on a
+    # loaded machine (2.7 s).
+    assert time.monotonic() - started < 2 * TIMEOUT
     row = delivery(app, event_id, "bus")
     assert row["state"] == "pending"
     assert row["last_error"] == (f"topic {topic!r} not written: Broker: Unknown topic or partition")
