@@ -40,17 +40,6 @@ def app(make_app):
     return make_app(CONFIG)
 
 
-@pytest.fixture
-def captured():
-    """Install the JSON handler on a buffer; put the package logger back afterwards."""
-    logger = logging.getLogger(obs_logging.PACKAGE_LOGGER)
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    buffer = io.StringIO()
-    obs_logging.configure("json", "INFO", stream=buffer)
-    yield buffer
-    logger.handlers[:], logger.level, logger.propagate = saved
-
-
 def lines(buffer: io.StringIO) -> list[dict]:
     return [json.loads(line) for line in buffer.getvalue().splitlines()]
 

@@ -19,16 +19,6 @@ from webhook_receiver.observability import logging as obs_logging
 
 
 @pytest.fixture
-def captured():
-    logger = logging.getLogger(obs_logging.PACKAGE_LOGGER)
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    buffer = io.StringIO()
-    obs_logging.configure("json", "INFO", stream=buffer)
-    yield buffer
-    logger.handlers[:], logger.level, logger.propagate = saved
-
-
-@pytest.fixture
 def log(captured):
     """A logger with the handler ``configure`` installs, and no other.
 

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import create_engine, select, text, update
+from sqlalchemy import create_engine, select, update
 from sqlalchemy.engine import make_url
 
 from webhook_receiver import database
@@ -23,6 +23,7 @@ from webhook_receiver.outbox import replays as outbox_replays
 from webhook_receiver.outbox.replays import Filter
 from webhook_receiver.processing import replay
 
+from ..test_database_down import cut_off, restore
 from .conftest import FAST, config_with, forward
 from .test_replay import _store_many
 
@@ -133,24 +134,10 @@ def _database_away(db_url: str) -> Iterator[Callable[[], None]]:
         return
     url = make_url(db_url)
     admin = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    name = url.database
-
-    def cut_off() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = :name AND pid <> pg_backend_pid()"
-                ),
-                {"name": name},
-            )
-
     try:
-        yield cut_off
+        yield lambda: cut_off(admin, url.database)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        restore(admin, url.database)
         admin.dispose()
 
 
@@ -164,10 +151,10 @@ def test_a_cli_replay_cut_off_by_an_outage_says_a_worker_resumes_it_and_one_does
     app = _app(make_app, downstream)
     _store_many(app, clock, 5)
     real_requeue = outbox_replays.requeue
-    with _database_away(db_url) as cut_off:
+    with _database_away(db_url) as away:
 
         def away_at_the_first_batch(*args, **kwargs):
-            cut_off()
+            away()
             return real_requeue(*args, **kwargs)
 
         monkeypatch.setattr(outbox_replays, "requeue", away_at_the_first_batch)
