@@ -8,6 +8,14 @@ import redis
 
 from .redis_fixtures import GROUP
 
+# A Kafka source: never declared here (its topics are made with Kafka's tools).
+KAFKA = {
+    "provider": "kafka",
+    "bootstrap_servers": "127.0.0.1:9",
+    "topics": ["orders"],
+    "dedup_key": "header:message-id",
+}
+
 
 def test_a_source_that_fails_leaves_the_others_declared_and_the_exit_status_1(make_app, redis_url):
     stream = f"wr-declare-{uuid.uuid4().hex[:10]}"
@@ -19,12 +27,7 @@ def test_a_source_that_fails_leaves_the_others_declared_and_the_exit_status_1(ma
             "url": "amqp://guest:s3cret@127.0.0.1:1/%2F",
             "queue": "q",
         },
-        "logs": {
-            "provider": "kafka",
-            "bootstrap_servers": "127.0.0.1:9",
-            "topics": ["orders"],
-            "dedup_key": "header:message-id",
-        },
+        "logs": KAFKA,
         "jobs": {"provider": "redis", "url": redis_url, "stream": stream, "group": GROUP},
     }
     app = make_app({"sources": sources})
@@ -82,12 +85,7 @@ def test_every_source_with_a_kafka_one_among_them_exits_0(make_app, redis_url):
     # the one broker whose topics are made elsewhere; named, it is an error.
     stream = f"wr-declare-{uuid.uuid4().hex[:10]}"
     sources = {
-        "logs": {
-            "provider": "kafka",
-            "bootstrap_servers": "127.0.0.1:9",
-            "topics": ["orders"],
-            "dedup_key": "header:message-id",
-        },
+        "logs": KAFKA,
         "jobs": {"provider": "redis", "url": redis_url, "stream": stream, "group": GROUP},
     }
     app = make_app({"sources": sources})
