@@ -118,12 +118,12 @@ def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[
     sources = {
         name: _source(name, table, path, providers)
         for name, table in source_tables.items()
-        if table.get("provider") not in BROKER_PROVIDERS
+        if not _is_broker(table)
     }
     brokers = {
         name: broker_source(name, table, path)
         for name, table in source_tables.items()
-        if table.get("provider") in BROKER_PROVIDERS
+        if _is_broker(table)
     }
     forwards: dict[str, tuple[ForwardConfig, ...]] = {}
     ordering: dict[str, OrderingConfig] = {}
@@ -160,10 +160,17 @@ def _source(
 ) -> SourceConfig:
     where = f"{path}: [sources.{name}]"
     check_source_name(name, where)
-    if table.get("provider") not in providers:
+    provider = table.get("provider")
+    if not isinstance(provider, str) or provider not in providers:
         names = sorted({*providers, *BROKER_PROVIDERS})
         raise ConfigError(f"{where} provider must be one of {', '.join(names)}")
     return source_config(name, table, where)
+
+
+def _is_broker(table: dict[str, Any]) -> bool:
+    # A provider given as a list or table cannot be looked up in a set (unhashable).
+    provider = table.get("provider")
+    return isinstance(provider, str) and provider in BROKER_PROVIDERS
 
 
 def _tables(raw: dict[str, Any], key: str, path: str) -> dict[str, dict[str, Any]]:
