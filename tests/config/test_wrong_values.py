@@ -18,3 +18,35 @@ def test_a_provider_that_is_no_string_is_refused_naming_the_source(provider):
     # TypeError (unhashable type) and a traceback instead of one line.
     with pytest.raises(ConfigError, match=r"\[sources\.orders\] provider must be one of .*kafka"):
         _start({"sources": {"orders": {"provider": provider}}})
+
+
+# -- the TOML file's bytes ----------------------------------------------------
+
+
+def _start_file(monkeypatch: pytest.MonkeyPatch, path) -> None:
+    monkeypatch.setenv("WEBHOOK_RECEIVER_CONFIG", str(path))
+    create_app({"TESTING": True})
+
+
+def test_a_toml_file_not_in_utf8_is_one_line_naming_the_file_and_line(
+    instance, tmp_path, monkeypatch
+):
+    # A Latin-1 file (an editor's default) raised UnicodeDecodeError: a traceback.
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[clients.acme]\n# café\ntoken = "0123456789abcdef"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        _start_file(monkeypatch, path)
+    message = str(info.value)
+    assert message == f"{path}: not UTF-8 at line 2: save the file as UTF-8"
+
+
+def test_a_toml_file_with_a_byte_order_mark_says_so(instance, tmp_path, monkeypatch):
+    # It said "not valid TOML: Invalid statement (at line 1, column 1)", of a
+    # line that looks right in every editor.
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b'\xef\xbb\xbf[clients.acme]\ntoken = "0123456789abcdef"\n')
+    with pytest.raises(ConfigError) as info:
+        _start_file(monkeypatch, path)
+    assert str(info.value) == (
+        f"{path}: starts with a byte-order mark (BOM): save the file as UTF-8 without one"
+    )

@@ -7,6 +7,7 @@ their forwards, and handler modules.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import tomllib
@@ -76,11 +77,24 @@ def load_file(
         return FileConfig(path=path)
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+            data = fh.read()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc}") from exc
+    # tomllib reads a BOM as an invalid statement, and raises
+    # UnicodeDecodeError (a traceback) for bytes not UTF-8.
+    if data.startswith(codecs.BOM_UTF8):
+        raise ConfigError(
+            f"{path}: starts with a byte-order mark (BOM): save the file as UTF-8 without one"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 at line {line}: save the file as UTF-8") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     return parse(raw, path, providers=providers)
 
 
