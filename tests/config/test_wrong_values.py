@@ -50,3 +50,46 @@ def test_a_toml_file_with_a_byte_order_mark_says_so(instance, tmp_path, monkeypa
     assert str(info.value) == (
         f"{path}: starts with a byte-order mark (BOM): save the file as UTF-8 without one"
     )
+
+
+# -- booleans from the environment --------------------------------------------
+
+BOOLEANS = ["FORCE_SHORT_RETENTION", "SESSION_COOKIE_SECURE", "TRANSACTION_POOLER"]
+BOOLEANS += ["WORKER_ATTEMPT_LOG"]
+SHORT = {
+    "sources": {
+        "shop": {"provider": "generic", "secrets": ["s"], "signature_header": "X-Sig"}
+        | {"retention_days": 1}
+    }
+}
+
+
+@pytest.mark.parametrize("value", ["no", "No", "False", "FALSE", "off", " false ", "0"])
+def test_force_short_retention_written_no_or_false_does_not_force(monkeypatch, value):
+    # Flask reads "false" and "0" as JSON; "no", "False" or "off" stayed a
+    # string, which is true: a 1-day retention was taken without the force.
+    monkeypatch.setenv("WEBHOOK_RECEIVER_FORCE_SHORT_RETENTION", value)
+    with pytest.raises(ConfigError, match="retention_days = 1 is shorter"):
+        _start(SHORT)
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("yes", True), ("On", True), ("TRUE", True), ("1", True), ("no", False), ("Off", False)],
+)
+def test_boolean_settings_read_yes_no_on_off_any_case(monkeypatch, name, value, expected):
+    monkeypatch.setenv(f"WEBHOOK_RECEIVER_{name}", value)
+    app = create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    assert app.config[name] is expected
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+@pytest.mark.parametrize("value", ["maybe", "2", "[]", ""])
+def test_a_boolean_setting_neither_true_nor_false_is_refused_naming_it(monkeypatch, name, value):
+    monkeypatch.setenv(f"WEBHOOK_RECEIVER_{name}", value)
+    with pytest.raises(ConfigError) as info:
+        create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    assert str(info.value).startswith(
+        f"WEBHOOK_RECEIVER_{name} must be true or false (or yes/no, on/off, 1/0), got "
+    )

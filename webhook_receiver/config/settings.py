@@ -180,8 +180,32 @@ def check_positive_integer(
         raise ConfigError(f"{where} {key} must be from 1 to {largest:,} ({why}), got {value}")
 
 
+# Boolean settings. Flask reads "true", "false", "1" and "0" as JSON, but
+# "no", "False" or "off" stayed a string, which Python counts true.
+BOOLEAN_SETTINGS = frozenset(
+    {"SESSION_COOKIE_SECURE", "TRANSACTION_POOLER", "FORCE_SHORT_RETENTION", "WORKER_ATTEMPT_LOG"}
+)
+_BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "1": True}
+_BOOLEAN_WORDS |= {"false": False, "no": False, "off": False, "0": False}
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if isinstance(value, int) and value in (0, 1):
+        word = str(value)
+    if word not in _BOOLEAN_WORDS:
+        raise ConfigError(
+            f"WEBHOOK_RECEIVER_{name} must be true or false (or yes/no, on/off, 1/0), got {value!r}"
+        )
+    return _BOOLEAN_WORDS[word]
+
+
 def check_settings(config: dict[str, Any]) -> None:
-    """Coerce the numeric settings in place, or say which one is wrong and how."""
+    """Coerce the numeric and boolean settings in place, or say which one is wrong and how."""
+    for name in sorted(BOOLEAN_SETTINGS & set(config)):
+        config[name] = _boolean(name, config[name])
     for name, (kind, smallest) in NUMERIC_SETTINGS.items():
         if name not in config:
             continue
