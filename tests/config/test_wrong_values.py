@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from webhook_receiver import create_app
-from webhook_receiver.config import ConfigError
+from webhook_receiver.config import NUMERIC_SETTINGS, ConfigError
 
 
 def _start(raw: dict) -> None:
@@ -93,3 +93,28 @@ def test_a_boolean_setting_neither_true_nor_false_is_refused_naming_it(monkeypat
     assert str(info.value).startswith(
         f"WEBHOOK_RECEIVER_{name} must be true or false (or yes/no, on/off, 1/0), got "
     )
+
+
+# -- numbers from the environment ---------------------------------------------
+
+INT_SETTINGS = sorted(name for name, (kind, _) in NUMERIC_SETTINGS.items() if kind is int)
+
+
+@pytest.mark.parametrize("name", INT_SETTINGS)
+def test_an_integer_setting_with_a_fraction_is_refused_not_truncated(monkeypatch, name):
+    # int(2.5) is 2: WORKER_MAX_ATTEMPTS=2.5 ran with 2 attempts, and
+    # TRUSTED_PROXIES=0.5 with none, without a word.
+    monkeypatch.setenv(f"WEBHOOK_RECEIVER_{name}", "2.5")
+    with pytest.raises(ConfigError) as info:
+        create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    assert str(info.value) == f"WEBHOOK_RECEIVER_{name} must be an integer, got 2.5"
+
+
+@pytest.mark.parametrize(("value", "expected"), [(" 7 ", 7), ("7.0", 7), ("1e1", 10)])
+def test_an_integer_setting_written_with_spaces_or_as_a_whole_float_is_read(
+    monkeypatch, value, expected
+):
+    monkeypatch.setenv("WEBHOOK_RECEIVER_WORKER_MAX_ATTEMPTS", value)
+    app = create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    assert app.config["WORKER_MAX_ATTEMPTS"] == expected
+    assert type(app.config["WORKER_MAX_ATTEMPTS"]) is int

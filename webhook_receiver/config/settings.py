@@ -213,6 +213,9 @@ def check_settings(config: dict[str, Any]) -> None:
         try:
             if isinstance(value, bool):
                 raise ValueError
+            # int(2.5) is 2: a fraction is refused, not truncated.
+            if kind is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
             number = kind(value)
         except (TypeError, ValueError, OverflowError):  # int(inf) overflows
             raise ConfigError(
