@@ -118,3 +118,25 @@ def test_an_integer_setting_written_with_spaces_or_as_a_whole_float_is_read(
     app = create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
     assert app.config["WORKER_MAX_ATTEMPTS"] == expected
     assert type(app.config["WORKER_MAX_ATTEMPTS"]) is int
+
+
+# -- URLs ---------------------------------------------------------------------
+
+SQS_QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/jobs"
+
+
+@pytest.mark.parametrize(
+    ("key", "table"),
+    [
+        ("queue_url", {"queue_url": "https://[sqs.eu-west-1/123456789012/jobs"}),
+        (
+            "dead_letter_queue_url",
+            {"queue_url": SQS_QUEUE, "dead_letter_queue_url": "https://[x/1/d"},
+        ),
+        ("endpoint_url", {"queue_url": SQS_QUEUE, "endpoint_url": "http://[localhost:4566"}),
+    ],
+)
+def test_an_sqs_url_with_an_unclosed_bracket_is_refused_naming_the_key(key, table):
+    # urlsplit raised ValueError ("Invalid IPv6 URL"): a traceback.
+    with pytest.raises(ConfigError, match=rf"\[sources\.jobs\] {key} must be "):
+        _start({"sources": {"jobs": {"provider": "sqs", **table}}})

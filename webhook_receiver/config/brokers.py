@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from .forwards import KAFKA_SECURITY_KEYS, NATS_SUBJECT, PROCESSING_KEYS, SECURITY_PROTOCOLS
 from .settings import CENTURY_DAYS, DAY, ConfigError, check_positive_integer, redact_url
@@ -660,7 +660,7 @@ def _pubsub_path(value: Any, project: str, kind: str) -> str | None:
 
 def _sqs_queue_url(value: Any, where: str, key: str) -> tuple[str, str]:
     """An SQS queue's URL and name, or ConfigError."""
-    parts = urlsplit(value) if isinstance(value, str) else None
+    parts = _split(value)
     name = parts.path.rstrip("/").rpartition("/")[2] if parts else ""
     if (
         parts is None
@@ -676,12 +676,27 @@ def _sqs_queue_url(value: Any, where: str, key: str) -> tuple[str, str]:
     return value, name
 
 
-def _http_url(value: Any) -> bool:
+def _split(value: Any) -> SplitResult | None:
+    """``value`` split as a URL; None for no string, or one urlsplit refuses (a lone '[')."""
     if not isinstance(value, str):
-        return False
-    parts = urlsplit(value)
+        return None
+    try:
+        parts = urlsplit(value)
+        parts.hostname  # noqa: B018  (raises ValueError for a bad bracketed host)
+    except ValueError:
+        return None
+    return parts
+
+
+def _http_url(value: Any) -> bool:
+    parts = _split(value)
     # Credentials come from the AWS chain, never from a URL.
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in parts.netloc
+    return (
+        parts is not None
+        and parts.scheme in ("http", "https")
+        and bool(parts.hostname)
+        and "@" not in parts.netloc
+    )
 
 
 def cloud_queue_spec(spec: Any, provider: str, key: str) -> tuple[str, str]:
