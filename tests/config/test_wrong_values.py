@@ -140,3 +140,27 @@ def test_an_sqs_url_with_an_unclosed_bracket_is_refused_naming_the_key(key, tabl
     # urlsplit raised ValueError ("Invalid IPv6 URL"): a traceback.
     with pytest.raises(ConfigError, match=rf"\[sources\.jobs\] {key} must be "):
         _start({"sources": {"jobs": {"provider": "sqs", **table}}})
+
+
+# -- source names -------------------------------------------------------------
+
+GENERIC = {"provider": "generic", "secrets": ["s"], "signature_header": "X-Sig"}
+
+
+def test_two_source_names_differing_only_in_case_are_refused():
+    # [sources.Orders] beside [sources.orders] (a typo) made two endpoints,
+    # two event sources and two retention rules, without a word.
+    rabbit = {"provider": "rabbitmq", "url": "amqp://127.0.0.1", "queue": "q"}
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"orders": GENERIC, "Orders": rabbit}})
+    assert str(info.value) == (
+        "<test config>: [sources.Orders] and [sources.orders] differ only in case: "
+        "rename one (they would be two sources)"
+    )
+
+
+@pytest.mark.parametrize("name", [".", "..", "a\nb", "tab\there", " "])
+def test_a_source_name_no_url_can_carry_is_refused(name):
+    # /webhooks/.. is /, a control character ends up raw in log lines.
+    with pytest.raises(ConfigError, match="is not a usable source name"):
+        _start({"sources": {name: GENERIC}})

@@ -129,6 +129,7 @@ def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[
     if len(set(tokens)) != len(tokens):
         raise ConfigError(f"{path}: two clients share one token")
     source_tables = _tables(raw, "sources", path)
+    _refuse_case_twins(source_tables, path)
     sources = {
         name: _source(name, table, path, providers)
         for name, table in source_tables.items()
@@ -179,6 +180,18 @@ def _source(
         names = sorted({*providers, *BROKER_PROVIDERS})
         raise ConfigError(f"{where} provider must be one of {', '.join(names)}")
     return source_config(name, table, where)
+
+
+def _refuse_case_twins(tables: dict[str, Any], path: str) -> None:
+    """Refuse two source names alike but for case: a typo would make a second source."""
+    seen: dict[str, str] = {}
+    for name in sorted(tables):
+        twin = seen.setdefault(name.casefold(), name)
+        if twin != name:
+            raise ConfigError(
+                f"{path}: [sources.{twin}] and [sources.{name}] differ only in case: "
+                "rename one (they would be two sources)"
+            )
 
 
 def _is_broker(table: dict[str, Any]) -> bool:

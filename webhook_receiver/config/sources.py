@@ -7,6 +7,7 @@ loader, which checks a source's provider before its table is read here.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +70,19 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 def check_source_name(name: str, where: str) -> None:
     """Refuse a source name no URL or event source could carry (webhook and broker alike)."""
-    if not name or "/" in name or name.startswith("api:"):
-        raise ConfigError(f"{where} is not a usable source name")
+    # /webhooks/.. is /webhooks/ to every client; a control character would
+    # reach log lines raw.
+    if (
+        not name.strip()
+        or "/" in name
+        or name.startswith("api:")
+        or name in (".", "..")
+        or any(unicodedata.category(c) == "Cc" for c in name)
+    ):
+        raise ConfigError(
+            f"{where} is not a usable source name (not blank, '.' or '..', "
+            "no '/' or control character, not starting 'api:')"
+        )
 
 
 def source_config(name: str, table: dict[str, Any], where: str) -> SourceConfig:
