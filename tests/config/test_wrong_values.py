@@ -164,3 +164,27 @@ def test_a_source_name_no_url_can_carry_is_refused(name):
     # /webhooks/.. is /, a control character ends up raw in log lines.
     with pytest.raises(ConfigError, match="is not a usable source name"):
         _start({"sources": {name: GENERIC}})
+
+
+# -- DATABASE_URL -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:s3cr3t-pw@db.example:badport/app",
+        "postgres://app:s3cr3t-pw@[::1/app",
+    ],
+)
+def test_a_database_url_that_does_not_parse_is_one_line_without_its_password(
+    instance, monkeypatch, url
+):
+    # A port that is no number raised ValueError from SQLAlchemy's URL parser:
+    # a traceback instead of the one line naming DATABASE_URL.
+    monkeypatch.setenv("DATABASE_URL", url)
+    with pytest.raises(ConfigError) as info:
+        create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    message = str(info.value)
+    assert message.startswith("DATABASE_URL ")
+    assert "is not a database URL" in message
+    assert "s3cr3t" not in message

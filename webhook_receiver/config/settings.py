@@ -239,21 +239,23 @@ def database_uri(url: str | None, instance_path: str) -> str:
     """Turn ``DATABASE_URL`` into a SQLAlchemy URI; default to SQLite in the instance folder."""
     if not url:
         return "sqlite:///" + os.path.join(instance_path, "webhook_receiver.sqlite3")
+    given = url
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
+            url = "postgresql+psycopg://" + url[len(prefix) :]
     # Refused here, in one line, rather than by SQLAlchemy as a traceback when
-    # the app starts (or, under the flask CLI, as "No such command").
+    # the app starts (or, under the flask CLI, as "No such command"). A port
+    # that is no number is a ValueError.
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         raise ConfigError(
-            f"DATABASE_URL {redact_url(url)!r} is not a database URL: "
+            f"DATABASE_URL {redact_url(given)!r} is not a database URL: "
             "give postgresql://user:password@host/name or sqlite:////path/to/file"
         ) from None
     if (parsed.get_backend_name(), parsed.get_driver_name()) not in _DRIVERS:
         raise ConfigError(
-            f"DATABASE_URL {redact_url(url)!r}: the receiver runs on PostgreSQL "
+            f"DATABASE_URL {redact_url(given)!r}: the receiver runs on PostgreSQL "
             "(postgresql://, through psycopg 3) or SQLite (sqlite:///), no other database"
         )
     return url
