@@ -188,3 +188,18 @@ def test_a_database_url_that_does_not_parse_is_one_line_without_its_password(
     assert message.startswith("DATABASE_URL ")
     assert "is not a database URL" in message
     assert "s3cr3t" not in message
+
+
+# -- forwards and broker sources ----------------------------------------------
+
+
+def test_a_forward_with_an_empty_event_types_list_is_refused():
+    # event_types = [] matched no event: a forward that never forwards, taken
+    # without a word (leaving the key out forwards every type).
+    forward = {"name": "crm", "url": "http://127.0.0.1:9/x", "event_types": []}
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"shop": GENERIC | {"forward": [forward]}}})
+    assert str(info.value) == (
+        "<test config>: [[sources.shop.forward]] crm: event_types must be a non-empty list "
+        "of event type names (leave it out for every type)"
+    )

@@ -186,11 +186,16 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             raise ConfigError(f"{here} timeout_seconds must be a positive number, not nan or inf")
         _check_at_most(timeout, "timeout_seconds", here)
         event_types = table.get("event_types")
+        # An empty list would match no event: a forward that never forwards.
         if event_types is not None and (
             not isinstance(event_types, list)
+            or not event_types
             or not all(isinstance(t, str) and t for t in event_types)
         ):
-            raise ConfigError(f"{here} event_types must be a list of event type names")
+            raise ConfigError(
+                f"{here} event_types must be a non-empty list of event type names "
+                "(leave it out for every type)"
+            )
         max_attempts = table.get("max_attempts")
         if max_attempts is not None and (
             not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
