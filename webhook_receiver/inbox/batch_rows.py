@@ -119,6 +119,20 @@ class _SqliteRows:
             cursor.execute(self.insert_sql(len(chunk)), self.params(chunk))
 
 
+# The batch statement's last column: the events table's size, as the
+# planner reads it (its pages on disk, not its last statistics).
+EVENTS_BYTES = "pg_relation_size('events')"
+# From this size of the events table a batch's statement is prepared: the
+# server keeps its plan rather than parsing and planning it again for each
+# batch (a third of its time on a batch of 200). Below it a plan could read
+# the table by a scan, cheapest while it holds a few pages, and a kept plan
+# would go on scanning it as it grows, each batch slower than the last;
+# from a few dozen pages (8 KiB each) every plan reads it by its unique
+# index, and PostgreSQL makes a kept plan again only when the table's
+# statistics change (an analyze), at a size at least this one.
+PREPARED_FROM_BYTES = 1 << 20
+
+
 class BatchRows:
     """PostgreSQL's batch: one statement, its rows one JSON parameter (``jsonb_array_elements``).
 
@@ -180,7 +194,10 @@ class BatchRows:
             "(SELECT json_agg(json_build_array(s.n, s.id, nullif(s.fingerprint, s.sent)) "
             "ORDER BY s.n)::text FROM stored AS s)"
         )
-        self.sql = f"WITH {self.ctes} SELECT {self.results}, NULL::boolean"
+        self.sql = f"WITH {self.ctes} SELECT {self.results}, NULL::boolean, {EVENTS_BYTES}"
+        # Whether the events table was, at this engine's last batch, large
+        # enough for its statement to be prepared (PREPARED_FROM_BYTES).
+        self.events_large = False
         # The keys taken by a racing copy, read back with their fingerprints.
         self.find_sql = (
             f"{_TAKEN} FROM unnest(%(source)b::text[], %(dedup_key)b::text[]) "

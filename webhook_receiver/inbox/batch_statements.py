@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from ..database import dialect_insert
 from ..database_driver import PerEngine
 from ..models import BrokerPosition, UTCDateTime
-from .batch_rows import BatchRows
+from .batch_rows import EVENTS_BYTES, BatchRows
 from .messages import Message
 from .rows import Position
 from .statements import for_engine as statements_for_engine
@@ -158,7 +158,7 @@ class RiddenBatch:
         )
         self.sql = (
             f"WITH {rows.ctes}, {settled}, {whole}, {counted}, {moved} "
-            f"SELECT {rows.results}, (SELECT yes FROM whole)"
+            f"SELECT {rows.results}, (SELECT yes FROM whole), {EVENTS_BYTES}"
         )
 
     def params(

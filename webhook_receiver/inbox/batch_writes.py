@@ -10,6 +10,7 @@ import orjson
 from sqlalchemy.engine import Connection
 
 from ..database_driver import transaction_cursor
+from .batch_rows import PREPARED_FROM_BYTES
 from .batch_statements import Positions, RiddenBatch
 from .batch_statements import for_engine as batch_statements_for
 from .messages import Message
@@ -176,11 +177,15 @@ def write_postgresql(
     if ridden is not None and (batch.positions or batch.counts):
         text = ridden.sql
         params.update(ridden.params(messages, first, batch.positions, batch.counts, batch.now))
-    # Never prepared: planned for each batch, with its rows and the table
-    # as they are then. A plan cached early (psycopg prepares a statement on
-    # its fifth run) made batches of 100 five times slower as the table grew.
-    cursor.execute(text, params, prepare=False)
-    new, found, whole = cursor.fetchone()  # whole: RiddenBatch's, the riders were written
+    # Prepared only once the events table is large (PREPARED_FROM_BYTES):
+    # before, planned for each batch with the table as it is then (a plan
+    # kept from an empty table made batches of 100 five times slower as it
+    # grew). Behind a transaction pooler psycopg prepares nothing
+    # (prepare_threshold None): the next transaction may get another server.
+    cursor.execute(text, params, prepare=sql.events_large)
+    # whole: RiddenBatch's, the riders were written.
+    new, found, whole, events_bytes = cursor.fetchone()
+    sql.events_large = events_bytes >= PREPARED_FROM_BYTES
     by_row = list(first)  # the batch's keys, by their row's position
     if new is not None:
         for n, event_id in orjson.loads(new):
