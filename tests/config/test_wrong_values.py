@@ -203,3 +203,32 @@ def test_a_forward_with_an_empty_event_types_list_is_refused():
         "<test config>: [[sources.shop.forward]] crm: event_types must be a non-empty list "
         "of event type names (leave it out for every type)"
     )
+
+
+KAFKA = {
+    "provider": "kafka",
+    "bootstrap_servers": "127.0.0.1:9092",
+    "topics": ["orders"],
+    "dedup_key": "key",
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needs"),
+    [
+        (
+            {"ssl_ca_location": "/etc/ca.pem"},
+            "ssl_ca_location needs security_protocol SSL or SASL_SSL",
+        ),
+        (
+            {"sasl_mechanism": "PLAIN"},
+            "sasl_mechanism needs security_protocol SASL_SSL or SASL_PLAINTEXT",
+        ),
+    ],
+)
+def test_a_kafka_source_setting_its_protocol_ignores_is_refused(extra, needs):
+    # With the default PLAINTEXT, librdkafka never read them: no TLS check of
+    # the broker, no sign-in, and no word of it.
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"orders": KAFKA | extra}})
+    assert str(info.value) == f"<test config>: [sources.orders] {needs}"

@@ -322,11 +322,13 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
         raise ConfigError(f"{where} sasl_mechanism must be one of {', '.join(_SASL_MECHANISMS)}")
     if ("sasl_username" in table) != ("sasl_password" in table):
         raise ConfigError(f"{where} sasl_username and sasl_password go together")
-    if "sasl_password" in table and not protocol.upper().startswith("SASL_"):
-        # librdkafka would send no credentials at all, and the broker refuse every request.
-        raise ConfigError(
-            f"{where} sasl_password needs security_protocol SASL_SSL or SASL_PLAINTEXT"
-        )
+    for key in ("sasl_password", "sasl_mechanism"):
+        if key in table and not protocol.upper().startswith("SASL_"):
+            # librdkafka would send no credentials at all, and the broker refuse every request.
+            raise ConfigError(f"{where} {key} needs security_protocol SASL_SSL or SASL_PLAINTEXT")
+    if "ssl_ca_location" in table and not protocol.upper().endswith("SSL"):
+        # Without TLS librdkafka never reads it: the broker would go unchecked.
+        raise ConfigError(f"{where} ssl_ca_location needs security_protocol SSL or SASL_SSL")
     return BrokerSourceConfig(
         name=name,
         provider="kafka",
