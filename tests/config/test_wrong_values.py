@@ -232,3 +232,94 @@ def test_a_kafka_source_setting_its_protocol_ignores_is_refused(extra, needs):
     with pytest.raises(ConfigError) as info:
         _start({"sources": {"orders": KAFKA | extra}})
     assert str(info.value) == f"<test config>: [sources.orders] {needs}"
+
+
+# -- broker and forward URLs that cannot connect ------------------------------
+
+RABBIT = {"provider": "rabbitmq", "queue": "q"}
+PORTS = "must have a port from 1 to 65535 (or none, for the scheme's default)"
+BRACKETS = "must hold '[' and ']' only around an IPv6 host ([::1]), percent-encoded elsewhere"
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        (RABBIT | {"url": "amqp://h:abc"}, f"url {PORTS}"),
+        (RABBIT | {"url": "amqp://app:s3cr3t@h:99999/"}, f"url {PORTS}"),
+        (RABBIT | {"url": "amqp://h:0"}, f"url {PORTS}"),
+        ({"provider": "mqtt", "url": "mqtt://[x", "topics": ["t"]}, f"url {BRACKETS}"),
+        ({"provider": "redis", "url": "redis://h:65536", "stream": "s"}, f"url {PORTS}"),
+        (
+            {"provider": "nats", "url": "nats://app:s3cr3t@h:4x22", "stream": "s"},
+            f"url {PORTS}",
+        ),
+        (
+            KAFKA | {"bootstrap_servers": "127.0.0.1:9092,127.0.0.1:0"},
+            "bootstrap_servers must be 'host:port', comma-separated, each port from 1 to 65535",
+        ),
+        (
+            KAFKA | {"bootstrap_servers": "127.0.0.1:99999"},
+            "bootstrap_servers must be 'host:port', comma-separated, each port from 1 to 65535",
+        ),
+        (
+            {"provider": "sqs", "queue_url": SQS_QUEUE, "endpoint_url": "http://localhost:99999"},
+            "endpoint_url must be an http:// or https:// URL",
+        ),
+    ],
+)
+def test_a_broker_source_url_that_cannot_connect_is_refused_at_start(table, expected):
+    # Each passed the check and failed only when flask consume connected
+    # (pika, nats-py, librdkafka: a ValueError or a broker that never answers).
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"orders": table}})
+    assert str(info.value) == f"<test config>: [sources.orders] {expected}"
+    assert "s3cr3t" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("forward", "expected"),
+    [
+        ({"url": "http://h:99999/"}, f"url {PORTS}"),
+        ({"url": "https://app:s3cr3t@h:abc/in"}, f"url {PORTS}"),
+        ({"url": "http://[::1/in"}, f"url {BRACKETS}"),
+        ({"url": "amqp://app:s3cr3t@h:abc", "routing_key": "r"}, f"url {PORTS}"),
+        ({"url": "nats://h:0", "subject": "s"}, f"url {PORTS}"),
+        ({"url": "redis://h:70000", "stream": "s"}, f"url {PORTS}"),
+        ({"url": "mqtt://[x", "topic": "t"}, f"url {BRACKETS}"),
+        (
+            {"url": "kafka://127.0.0.1:9092,127.0.0.1:99999", "topic": "t"},
+            "url must be kafka://host:port, with more brokers after commas "
+            "(kafka://host1:9092,host2:9092), each port from 1 to 65535",
+        ),
+        (
+            {"url": "kafka://app:s3cr3t@127.0.0.1:0", "topic": "t"},
+            "url must be kafka://host:port, with more brokers after commas "
+            "(kafka://host1:9092,host2:9092), each port from 1 to 65535",
+        ),
+        (
+            {"url": "sqs://localhost:99999/000000000000/jobs", "region": "eu-west-1"},
+            f"url {PORTS}",
+        ),
+        (
+            {
+                "url": "sqs://sqs.eu-west-1.amazonaws.com/000000000000/jobs",
+                "endpoint_url": "http://localhost:0",
+            },
+            "endpoint_url must be an http:// or https:// URL (no path)",
+        ),
+    ],
+)
+def test_a_forward_url_that_cannot_connect_is_refused_at_start(forward, expected):
+    # Each passed the check; the worker failed every attempt at connecting.
+    table = GENERIC | {"forward": [{"name": "crm", **forward}]}
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"shop": table}})
+    assert str(info.value) == f"<test config>: [[sources.shop.forward]] crm: {expected}"
+    assert "s3cr3t" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["amqp://h", "amqp://h:5672/%2F", "amqp://[::1]:5672", "amqp://u:p%5Bw@h:1"]
+)
+def test_a_broker_url_with_a_usable_port_or_none_is_still_taken(url):
+    _start({"sources": {"orders": RABBIT | {"url": url}}})

@@ -9,7 +9,14 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from .forwards import KAFKA_SECURITY_KEYS, NATS_SUBJECT, PROCESSING_KEYS, SECURITY_PROTOCOLS
-from .settings import CENTURY_DAYS, DAY, ConfigError, check_positive_integer, redact_url
+from .settings import (
+    CENTURY_DAYS,
+    DAY,
+    ConfigError,
+    check_positive_integer,
+    redact_url,
+    url_problem,
+)
 from .sources import check_source_name, parse_spec
 
 _BROKER_KEYS = {"provider", "dedup_key", "event_type", "retention_days", *PROCESSING_KEYS}
@@ -220,6 +227,9 @@ def _url_and_specs(table: dict[str, Any], provider: str, where: str) -> tuple[st
     if not isinstance(url, str) or url.partition("://")[0].lower() not in _URL_SCHEMES[provider]:
         schemes = " or ".join(f"{s}://" for s in _URL_SCHEMES[provider])
         raise ConfigError(f"{where} url must be a {schemes} URL")
+    problem = url_problem(url)
+    if problem:
+        raise ConfigError(f"{where} url {problem}")
     specs = {key: table.get(key, default) for key, default in _BROKER_DEFAULTS[provider].items()}
     _check_specs(specs, provider, where)
     return url, specs
@@ -281,6 +291,12 @@ def _kafka_source(name: str, table: dict[str, Any], where: str) -> BrokerSourceC
         _KAFKA_SERVER.match(server.strip()) for server in servers.split(",")
     ):
         raise ConfigError(f"{where} bootstrap_servers must be 'host:port', comma-separated")
+    if any(url_problem(f"kafka://{server.strip()}") for server in servers.split(",")):
+        # librdkafka takes port 0 or 99999 and retries it for ever.
+        raise ConfigError(
+            f"{where} bootstrap_servers must be 'host:port', comma-separated, "
+            "each port from 1 to 65535"
+        )
     topics = _topics(table, _KAFKA_TOPIC.match, "Kafka topic names", where)
     group_id = table.get("group_id", f"webhook-receiver-{name}")
     if not isinstance(group_id, str) or not group_id.strip():
@@ -679,15 +695,10 @@ def _sqs_queue_url(value: Any, where: str, key: str) -> tuple[str, str]:
 
 
 def _split(value: Any) -> SplitResult | None:
-    """``value`` split as a URL; None for no string, or one urlsplit refuses (a lone '[')."""
-    if not isinstance(value, str):
+    """``value`` split as a URL; None for no string, or one urllib refuses (a '[', a bad port)."""
+    if not isinstance(value, str) or url_problem(value):
         return None
-    try:
-        parts = urlsplit(value)
-        parts.hostname  # noqa: B018  (raises ValueError for a bad bracketed host)
-    except ValueError:
-        return None
-    return parts
+    return urlsplit(value)
 
 
 def _http_url(value: Any) -> bool:

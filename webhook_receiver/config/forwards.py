@@ -14,7 +14,7 @@ from urllib.parse import unquote
 
 from .. import pointers
 from .filters import Filter, parse_filter
-from .settings import DAY, ConfigError, redact_url
+from .settings import DAY, ConfigError, redact_url, url_problem
 from .signing import is_standard_secret
 
 # Keys read by the processing side (forwards and ordering), on sources and clients.
@@ -175,6 +175,11 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
                 f"{here} url must be an http://, https://, amqp://, amqps://, nats://, "
                 "kafka://, redis://, mqtt://, sqs:// or pubsub:// URL"
             )
+        # A Kafka URL lists brokers after commas, and a Pub/Sub project may hold
+        # a ':': both are checked by their own transports.
+        problem = None if scheme in ("kafka", "pubsub") else url_problem(url)
+        if problem:
+            raise ConfigError(f"{here} url {problem}")
         unknown = set(table) - _FORWARD_KEYS - _SCHEME_KEYS[scheme]
         if unknown:
             raise ConfigError(
@@ -372,10 +377,14 @@ def _kafka_url(url: str, here: str) -> tuple[str, str | None, str | None]:
     servers = hosts.split(",")
     # A "/" (or "?", "#") ends a URL's host part: one in the password must be
     # percent-encoded, else the URL's redaction would not find the password.
-    if any(c in rest for c in "/?#") or not all(_KAFKA_SERVER.match(s) for s in servers):
+    if (
+        any(c in rest for c in "/?#")
+        or not all(_KAFKA_SERVER.match(s) for s in servers)
+        or any(url_problem(f"kafka://{s}") for s in servers)
+    ):
         raise ConfigError(
             f"{here} url must be kafka://host:port, with more brokers after commas "
-            "(kafka://host1:9092,host2:9092)"
+            "(kafka://host1:9092,host2:9092), each port from 1 to 65535"
         )
     if not at:
         return hosts, None, None
@@ -474,7 +483,9 @@ def cloud_queue_transport(table: dict[str, Any], scheme: str, here: str) -> dict
         raise ConfigError(f"{here} url must be sqs://<host>/<account>/<queue>")
     endpoint = table.get("endpoint_url") or None
     if endpoint is not None and (
-        not isinstance(endpoint, str) or not re.match(r"^https?://[^/\s@]+/?$", endpoint)
+        not isinstance(endpoint, str)
+        or not re.match(r"^https?://[^/\s@]+/?$", endpoint)
+        or url_problem(endpoint)
     ):
         raise ConfigError(f"{here} endpoint_url must be an http:// or https:// URL (no path)")
     region = table.get("region")

@@ -265,6 +265,28 @@ def database_uri(url: str | None, instance_path: str) -> str:
 _DRIVERS = {("postgresql", "psycopg"), ("sqlite", "pysqlite")}
 
 
+def url_problem(url: str) -> str | None:
+    """What keeps a broker or forward URL from connecting, said after its key; None if nothing.
+
+    urllib's own checks, which pika, nats-py, redis-py and the MQTT and HTTP
+    clients parse with: a stray '[' or ']' ("Invalid IPv6 URL"), a port that
+    is no number or out of range. Port 0 reaches no server either. The URL is
+    never quoted: a password with a '/' in it is read as host and port.
+    """
+    try:
+        parts = urlsplit(url)
+        parts.hostname  # noqa: B018  (raises ValueError for a bad bracketed host)
+    except ValueError:
+        return "must hold '[' and ']' only around an IPv6 host ([::1]), percent-encoded elsewhere"
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        return "must have a port from 1 to 65535 (or none, for the scheme's default)"
+    return None
+
+
 def redact_url(url: str) -> str:
     """The URL with any password, lone user part and query replaced by [redacted].
 
