@@ -7,6 +7,7 @@ folder, written by the Makefile as ``make run`` writes it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pika
 import pytest
 import requests
+from sqlalchemy import create_engine, text
 
 from .checkout import bare_env, fresh_checkout, run
 from .databases import throwaway_postgresql
@@ -98,6 +100,55 @@ def test_purge_with_the_database_down_is_one_line(checkout):
     )
     assert "cannot be reached" in line
     assert "DATABASE_URL" in line
+
+
+UPGRADE = ".venv/bin/flask --app wsgi db upgrade"
+
+
+def _with_options(url: str, options: str) -> str:
+    return f"{url}?options={options.replace(' ', '%20').replace('=', '%3D')}"
+
+
+def test_an_upgrade_behind_another_ones_lock_says_so_not_that_the_database_is_away(checkout):
+    # The deployment guide's lock_timeout on the URL: the wait for another
+    # upgrade runs out. The database answered: it is not "cannot be reached".
+    found = re.search(
+        r"MIGRATION_LOCK_KEY = (0x[0-9A-Fa-f_]+)",
+        (Path(__file__).parents[1] / "migrations" / "env.py").read_text(),
+    )
+    assert found is not None
+    with throwaway_postgresql("wr_cli") as (url, admin, _name):
+        assert run(checkout, UPGRADE, bare_env(DATABASE_URL=url)).returncode == 0
+        holder = create_engine(url)
+        try:
+            with holder.connect() as conn:
+                conn.execute(text(f"SELECT pg_advisory_lock({int(found.group(1), 0)})"))
+                env = bare_env(DATABASE_URL=_with_options(url, "-c lock_timeout=1s"))
+                result = run(checkout, UPGRADE, env)
+        finally:
+            holder.dispose()
+    # Alembic's INFO lines come first; then the error, one line, no traceback.
+    assert result.returncode != 0
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("Error: ") and "Traceback" not in result.stdout, result.stdout
+    assert "locked by another session" in line, line
+    assert "lock_timeout" in line and "cannot be reached" not in line
+
+
+def test_a_purge_past_its_statement_timeout_says_so_not_that_the_database_is_away(checkout):
+    with throwaway_postgresql("wr_cli") as (url, admin, _name):
+        assert run(checkout, UPGRADE, bare_env(DATABASE_URL=url)).returncode == 0
+        holder = create_engine(url)
+        try:
+            with holder.begin() as conn:
+                # The purge's reads and deletes wait behind this lock until cancelled.
+                conn.execute(text("LOCK TABLE events IN ACCESS EXCLUSIVE MODE"))
+                env = bare_env(DATABASE_URL=_with_options(url, "-c statement_timeout=1000"))
+                line = _one_line_error(run(checkout, ".venv/bin/flask --app wsgi purge", env))
+        finally:
+            holder.dispose()
+    assert "ran past its time limit" in line, line
+    assert "statement_timeout" in line and "cannot be reached" not in line
 
 
 # -- make run and make stop ----------------------------------------------------

@@ -1,7 +1,8 @@
 """The app's ``flask`` commands end a known failure with one line naming the fix.
 
-A configuration error, a database that cannot be reached, or one without
-its schema says so and how to fix it; a traceback is kept for the bugs.
+A configuration error, a database that cannot be reached, a wait for a
+lock or a statement that ran out, or a database without its schema says
+so and how to fix it; a traceback is kept for the bugs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from .config import ConfigError
 from .database import is_missing_schema
 from .observability import metrics_server
 
+# The database answered, and said a wait ran out: PostgreSQL's
+# lock_not_available (lock_timeout) and query_canceled (statement_timeout).
+_LOCK_NOT_AVAILABLE = "55P03"
+_QUERY_CANCELED = "57014"
+
 
 def _cause(exc: DBAPIError) -> str:
     return str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
@@ -33,6 +39,18 @@ def explain(exc: BaseException) -> str | None:
             return (
                 f"the database has no schema yet ({cause}): "
                 "run `flask --app wsgi db upgrade` (make run does)"
+            )
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        if sqlstate == _LOCK_NOT_AVAILABLE:
+            return (
+                f"the database is locked by another session ({cause}): another "
+                "`flask db upgrade` or a long transaction holds what this command needs; "
+                "run it again once that ends (or give it a longer lock_timeout)"
+            )
+        if sqlstate == _QUERY_CANCELED:
+            return (
+                f"a statement ran past its time limit ({cause}): the database is busy, "
+                "or its statement_timeout is too short for this command"
             )
         if isinstance(exc, OperationalError | InterfaceError):
             return (
