@@ -323,3 +323,38 @@ def test_a_forward_url_that_cannot_connect_is_refused_at_start(forward, expected
 )
 def test_a_broker_url_with_a_usable_port_or_none_is_still_taken(url):
     _start({"sources": {"orders": RABBIT | {"url": url}}})
+
+
+# -- names alike but for case -------------------------------------------------
+
+
+def test_two_client_names_differing_only_in_case_are_refused():
+    # [clients.Acme] beside [clients.acme] made two event sources, api:Acme
+    # and api:acme, each with its own forwards, without a word.
+    clients = {"acme": {"token": "0123456789abcdef"}, "Acme": {"token": "fedcba9876543210"}}
+    with pytest.raises(ConfigError) as info:
+        _start({"clients": clients})
+    assert str(info.value) == (
+        "<test config>: [clients.Acme] and [clients.acme] differ only in case: "
+        "rename one (they would be two clients)"
+    )
+
+
+def test_two_forward_names_in_one_source_differing_only_in_case_are_refused():
+    # Two forwards a reader takes for one, each with its own deliveries and
+    # breaker, without a word.
+    forwards = [{"name": "crm", "url": "http://127.0.0.1:9/a"}]
+    forwards.append({"name": "CRM", "url": "http://127.0.0.1:9/b"})
+    with pytest.raises(ConfigError) as info:
+        _start({"sources": {"shop": GENERIC | {"forward": forwards}}})
+    assert str(info.value) == (
+        "<test config>: [[sources.shop.forward]] forwards 'crm' and 'CRM' differ only in "
+        "case: rename one (they would be two forwards)"
+    )
+
+
+def test_one_forward_name_in_two_sources_is_still_taken():
+    forward = {"name": "crm", "url": "http://127.0.0.1:9/a"}
+    _start({"sources": {"shop": GENERIC | {"forward": [forward]}, "Crm": GENERIC}})
+    other = GENERIC | {"forward": [forward | {"name": "CRM"}]}
+    _start({"sources": {"shop": GENERIC | {"forward": [forward]}, "other": other}})

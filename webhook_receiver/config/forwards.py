@@ -226,6 +226,13 @@ def parse_forwards(tables: Any, where: str) -> tuple[ForwardConfig, ...]:
             )
         if any(f.name == name for f in result):
             raise ConfigError(f"{where} two forwards are named {name!r}")
+        # As source names: a typo would make a second forward, its own deliveries and breaker.
+        twin = next((f.name for f in result if f.name.casefold() == name.casefold()), None)
+        if twin is not None:
+            raise ConfigError(
+                f"{where} forwards {twin!r} and {name!r} differ only in case: "
+                "rename one (they would be two forwards)"
+            )
         result.append(
             ForwardConfig(
                 name=name,

@@ -124,12 +124,13 @@ def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(sorted(unknown))}")
     client_tables = _tables(raw, "clients", path)
+    _refuse_case_twins(client_tables, path, "clients")
     clients = {name: _client(name, table, path) for name, table in client_tables.items()}
     tokens = [c.token for c in clients.values()]
     if len(set(tokens)) != len(tokens):
         raise ConfigError(f"{path}: two clients share one token")
     source_tables = _tables(raw, "sources", path)
-    _refuse_case_twins(source_tables, path)
+    _refuse_case_twins(source_tables, path, "sources")
     sources = {
         name: _source(name, table, path, providers)
         for name, table in source_tables.items()
@@ -182,15 +183,15 @@ def _source(
     return source_config(name, table, where)
 
 
-def _refuse_case_twins(tables: dict[str, Any], path: str) -> None:
-    """Refuse two source names alike but for case: a typo would make a second source."""
+def _refuse_case_twins(tables: dict[str, Any], path: str, kind: str) -> None:
+    """Refuse two source or client names alike but for case: a typo would make a second one."""
     seen: dict[str, str] = {}
     for name in sorted(tables):
         twin = seen.setdefault(name.casefold(), name)
         if twin != name:
             raise ConfigError(
-                f"{path}: [sources.{twin}] and [sources.{name}] differ only in case: "
-                "rename one (they would be two sources)"
+                f"{path}: [{kind}.{twin}] and [{kind}.{name}] differ only in case: "
+                f"rename one (they would be two {kind})"
             )
 
 
