@@ -23,8 +23,11 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _problems(*statuses: int, extra: str = "") -> dict[str, Any]:
-    """Responses for these error statuses, each naming the problem types it may carry."""
+def _problems(*statuses: int, extra: str = "", challenge: bool = False) -> dict[str, Any]:
+    """Responses for these error statuses, each naming the problem types it may carry.
+
+    ``challenge``: the operation's 401 names its scheme in WWW-Authenticate.
+    """
     responses = {}
     for status in statuses:
         slugs = [slug for slug, (code, _) in PROBLEM_TYPES.items() if code == status]
@@ -35,6 +38,8 @@ def _problems(*statuses: int, extra: str = "") -> dict[str, Any]:
         }
         if status in (409, 503):
             response["headers"] = {"Retry-After": {"$ref": "#/components/headers/RetryAfter"}}
+        if status == 401 and challenge:
+            response["headers"] = {"WWW-Authenticate": {"$ref": "#/components/headers/Challenge"}}
         responses[str(status)] = response
     return responses
 
@@ -115,7 +120,7 @@ def _paths() -> dict[str, Any]:
                         },
                         "content": _json(_ref("Event")),
                     },
-                    **_problems(400, 401, 409, 413, 415, 422, 503),
+                    **_problems(400, 401, 409, 413, 415, 422, 503, challenge=True),
                 },
             }
         },
@@ -128,7 +133,7 @@ def _paths() -> dict[str, Any]:
                 "parameters": [event_id],
                 "responses": {
                     "200": {"description": "The event.", "content": _json(_ref("Event"))},
-                    **_problems(401, 404, 503),
+                    **_problems(401, 404, 503, challenge=True),
                 },
             }
         },
@@ -281,7 +286,7 @@ def _paths() -> dict[str, Any]:
                             "application/openmetrics-text": {"schema": {"type": "string"}},
                         },
                     },
-                    **_problems(401),
+                    **_problems(401, challenge=True),
                 },
             }
         },
@@ -466,7 +471,12 @@ def document() -> dict[str, Any]:
                 "RetryAfter": {
                     "description": "Seconds to wait before sending the request again.",
                     "schema": {"type": "string", "pattern": "^[0-9]+$"},
-                }
+                },
+                "Challenge": {
+                    "description": 'The scheme to authenticate with: `Bearer realm="..."`.',
+                    "required": True,
+                    "schema": {"type": "string"},
+                },
             },
             "securitySchemes": {
                 "bearer": {

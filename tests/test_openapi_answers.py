@@ -1,0 +1,191 @@
+"""Every answer the HTTP surface gives, refusals included, is the one /openapi.json describes.
+
+Each operation is driven through its successes and every refusal a client
+can provoke (no token, a bad one, bad JSON, a wrong media type, a body too
+large, a bad or reused Idempotency-Key, an unknown id or source, the
+database away), on SQLite and PostgreSQL. openapi-core validates each answer
+(status, media type, body, documented headers); on top of that, a header the
+answer carries must be documented for it, and a problem's members too: a
+client generated from the document sees only what it lists.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+
+from .conftest import CLIENTS, GLOBEX_TOKEN, bearer
+from .helpers import post_event
+from .helpers.signing import hmac_hex
+from .servers import free_port
+from .test_openapi import SOURCES, RecordingClient, _signed, api, checked, spec
+
+__all__ = ["api", "spec"]  # fixtures
+
+EVENT = {"type": "order.created", "data": {"order": 42}}
+TOO_LARGE = b"x" * (1024 * 1024 + 1)
+
+# (path template, method, response)
+Answer = tuple[str, str, Any]
+
+
+def _api_answers(api: FlaskClient) -> list[Answer]:
+    json_type = {"Content-Type": "application/json"}
+    created = post_event(api, "k-1", EVENT)
+    answers = [
+        created,
+        post_event(api, "k-1", EVENT),  # replayed
+        post_event(api, "k-1", {**EVENT, "data": 43}),  # key reused: 422
+        api.post("/api/events", json=EVENT, headers=bearer()),  # no key
+        post_event(api, "x" * 256, EVENT),  # key too long
+        post_event(api, "k-2", b'{"type": '),  # not JSON
+        post_event(api, "k-3", b"[]"),  # not an event
+        post_event(api, "k-4", json.dumps(EVENT), content_type="text/plain"),
+        post_event(api, "k-5", TOO_LARGE, headers=json_type),
+        api.post("/api/events", json=EVENT, headers={"Idempotency-Key": "k-6"}),
+        post_event(api, "k-7", EVENT, token="not-a-token"),
+    ]
+    found = [
+        api.get(created.headers["Location"], headers=bearer()),
+        api.get(created.headers["Location"], headers=bearer(GLOBEX_TOKEN)),
+        api.get("/api/events/999999", headers=bearer()),
+        api.get(f"/api/events/{2**63}", headers=bearer()),
+        api.get(created.headers["Location"]),
+        api.get(created.headers["Location"], headers=bearer("not-a-token")),
+    ]
+    return [("/api/events", "post", r) for r in answers] + [
+        ("/api/events/{id}", "get", r) for r in found
+    ]
+
+
+def _webhook_answers(api: FlaskClient) -> list[Answer]:
+    body, headers = _signed({"id": "evt-1", "type": "demo"})
+    other, other_headers = _signed({"id": "evt-1", "type": "changed"})
+    broken = b'{"id": '
+    keyless = b'{"type": "demo"}'
+    answers = [
+        api.post("/webhooks/partner", data=body, headers=headers),
+        api.post("/webhooks/partner", data=body, headers=headers),  # redelivered
+        api.post("/webhooks/partner", data=other, headers=other_headers),  # 422
+        api.post("/webhooks/partner", data=body, headers={**headers, "X-Signature": "sha256=0"}),
+        api.post("/webhooks/partner", data=body),  # unsigned
+        api.post("/webhooks/nobody", data=body, headers=headers),
+        api.post(
+            "/webhooks/partner",
+            data=broken,
+            headers={
+                "Content-Type": "application/json",
+                "X-Signature": "sha256=" + hmac_hex(broken),
+            },
+        ),
+        api.post(
+            "/webhooks/partner",
+            data=keyless,
+            headers={
+                "Content-Type": "application/json",
+                "X-Signature": "sha256=" + hmac_hex(keyless),
+            },
+        ),
+        api.post("/webhooks/partner", data=TOO_LARGE, headers=headers),
+    ]
+    handshakes = [
+        api.options("/webhooks/ce", headers={"WebHook-Request-Origin": "eventgrid.azure.net"}),
+        api.options("/webhooks/ce", headers={"WebHook-Request-Origin": "a b"}),
+        api.options("/webhooks/partner"),
+    ]
+    return [("/webhooks/{source}", "post", r) for r in answers] + [
+        ("/webhooks/{source}", "options", r) for r in handshakes
+    ]
+
+
+def _other_answers(api: FlaskClient) -> list[Answer]:
+    return [
+        ("/healthz", "get", api.get("/healthz")),
+        ("/readyz", "get", api.get("/readyz")),
+        ("/metrics", "get", api.get("/metrics", headers=bearer("metrics-token-0123"))),
+        ("/metrics", "get", api.get("/metrics")),
+        ("/metrics", "get", api.get("/metrics", headers=bearer("not-the-token"))),
+        ("/problems", "get", api.get("/problems")),
+        ("/problems/{slug}", "get", api.get("/problems/not-found")),
+        ("/problems/{slug}", "get", api.get("/problems/no-such-problem")),
+        ("/openapi.json", "get", api.get("/openapi.json")),
+    ]
+
+
+def _down_answers(down: FlaskClient) -> list[Answer]:
+    body, headers = _signed({"id": "evt-9", "type": "demo"})
+    return [
+        ("/api/events", "post", post_event(down, "k-down", EVENT)),
+        ("/api/events/{id}", "get", down.get("/api/events/1", headers=bearer())),
+        ("/webhooks/{source}", "post", down.post("/webhooks/partner", data=body, headers=headers)),
+        ("/readyz", "get", down.get("/readyz")),
+    ]
+
+
+@pytest.fixture
+def answers(api, make_app, db_url, tmp_path) -> list[Answer]:
+    """Every answer above, the database-away ones from an app whose database is gone."""
+    if db_url.startswith("sqlite"):
+        gone = f"sqlite:///{tmp_path / 'missing-dir' / 'db.sqlite3'}"
+    else:
+        gone = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"
+    down_app = make_app({"clients": CLIENTS, "sources": SOURCES}, SQLALCHEMY_DATABASE_URI=gone)
+    down_app.test_client_class = RecordingClient
+    down = down_app.test_client()
+    collected = [
+        *_api_answers(api),
+        *_webhook_answers(api),
+        *_other_answers(api),
+        *_down_answers(down),
+    ]
+    statuses = sorted({r.status_code for _, _, r in collected})
+    # The refusals this file is about were really provoked.
+    assert {400, 401, 404, 413, 415, 422, 503} <= set(statuses), statuses
+    return collected
+
+
+def _documented(doc: dict[str, Any], path: str, method: str, status: int) -> dict[str, Any]:
+    responses = doc["paths"][path][method]["responses"]
+    assert str(status) in responses, f"{method.upper()} {path}: {status} is not documented"
+    return responses[str(status)]
+
+
+def _label(path: str, method: str, response: Any) -> str:
+    return f"{method.upper()} {path} -> {response.status_code} {response.get_data()[:120]!r}"
+
+
+def test_every_answer_validates_against_the_document(spec, answers):
+    for path, method, response in answers:
+        try:
+            checked(spec, response, request_too=False)
+        except Exception as exc:  # pragma: no cover - the message is the point
+            raise AssertionError(f"{_label(path, method, response)}: {exc!r}") from exc
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Location",
+        "Idempotent-Replayed",
+        "Retry-After",
+        "WWW-Authenticate",
+        "Allow",
+        "WebHook-Allowed-Origin",
+    ],
+)
+def test_every_header_an_answer_carries_is_documented_for_it(api, answers, header):
+    doc = api.get("/openapi.json").get_json()
+    missing = [
+        _label(path, method, response)
+        for path, method, response in answers
+        if header in response.headers
+        and header.lower()
+        not in {
+            name.lower()
+            for name in _documented(doc, path, method, response.status_code).get("headers", {})
+        }
+    ]
+    assert not missing, f"{header} sent but not documented:\n" + "\n".join(missing)
