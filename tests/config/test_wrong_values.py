@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from webhook_receiver import create_app
-from webhook_receiver.config import NUMERIC_SETTINGS, ConfigError
+from webhook_receiver.config import NUMERIC_SETTINGS, ConfigError, load_file, parse
+from webhook_receiver.webhooks.providers import PROVIDERS
 
 
 def _start(raw: dict) -> None:
@@ -358,3 +361,23 @@ def test_one_forward_name_in_two_sources_is_still_taken():
     _start({"sources": {"shop": GENERIC | {"forward": [forward]}, "Crm": GENERIC}})
     other = GENERIC | {"forward": [forward | {"name": "CRM"}]}
     _start({"sources": {"shop": GENERIC | {"forward": [forward]}, "other": other}})
+
+
+# -- handlers -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["", " ", "my app.handlers", ".handlers", "app..x", "app/x.py"])
+def test_a_handler_name_that_is_no_module_path_is_refused_at_load(tmp_path, name):
+    # It passed loading and failed only when the handlers were imported.
+    path = tmp_path / "receiver.toml"
+    path.write_text(f"handlers = [{json.dumps(name)}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_file(path, required=True, providers=PROVIDERS)
+    assert str(info.value) == (
+        f"{path}: handlers must be a list of Python module paths (myapp.handlers), got {name!r}"
+    )
+
+
+def test_a_dotted_handler_module_path_is_still_taken():
+    config = parse({"handlers": ["myapp.handlers", "_private2.x"]}, providers=PROVIDERS)
+    assert config.handlers == ("myapp.handlers", "_private2.x")

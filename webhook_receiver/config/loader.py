@@ -159,6 +159,13 @@ def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[
     handlers = raw.get("handlers", [])
     if not isinstance(handlers, list) or not all(isinstance(h, str) for h in handlers):
         raise ConfigError(f"{path}: handlers must be a list of module names")
+    for handler in handlers:
+        # "" or "my app.x" passed here and failed only when imported.
+        if not all(part.isidentifier() for part in handler.split(".")):
+            raise ConfigError(
+                f"{path}: handlers must be a list of Python module paths (myapp.handlers), "
+                f"got {handler!r}"
+            )
     return FileConfig(
         path=path,
         clients=clients,
