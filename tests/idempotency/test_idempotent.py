@@ -15,7 +15,7 @@ from unittest.mock import patch
 
 import pytest
 from flask import Blueprint, abort, g, jsonify, make_response
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 
 from webhook_receiver import idempotency
 from webhook_receiver.api.auth import require_client
@@ -479,3 +479,23 @@ def test_a_new_key_whose_speculative_run_fails_answers_the_failure(speculative_a
     assert response.status_code == 500
     assert record(speculative_app, "fresh") is None  # the key stays free for the retry
     assert count(speculative_app) == 0
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_a_view_with_no_client_to_scope_its_keys_says_what_it_needs(make_app, two_phase):
+    # Decorated alone, without require_client (or g.client set before it):
+    # keys have no scope. The developer is told how to give one, rather than
+    # an AttributeError from deep inside the engine; nothing is claimed.
+    app = make_app()
+    bp = Blueprint("unscoped", __name__)
+
+    @bp.post("/unscoped")
+    @idempotency.idempotent(two_phase=two_phase)
+    def unscoped():
+        return jsonify(ok=1), 201
+
+    app.register_blueprint(bp)
+    with pytest.raises(RuntimeError, match=r"g\.client.*require_client"):
+        post(app.test_client(), "/unscoped", key="k-unscoped")
+    with app.app_context():
+        assert db.session.scalar(select(func.count()).select_from(IdempotencyRecord)) == 0

@@ -168,10 +168,18 @@ def idempotent(
 
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            client = g.get("client")
+            if client is None:
+                # A developer's mistake, said plainly: keys need a scope.
+                raise RuntimeError(
+                    f"@idempotent on {request.endpoint} needs the request's client in g.client "
+                    "(its keys' scope): put the view behind require_client "
+                    "(webhook_receiver.api.auth), or set g.client before it"
+                )
             key = parse_key(request.headers)
             assert key is not None
             req = records.Request(
-                client=g.client,
+                client=client,
                 key=key,
                 fingerprint=request_fingerprint(),
                 method=request.method,
