@@ -91,3 +91,34 @@ def test_a_forwards_nan_or_inf_in_the_file_is_refused_naming_it(tmp_path, line, 
     path.write_text(FORWARD + line + "\n")
     with pytest.raises(ConfigError, match=rf"\[\[sources.shop.forward\]\] crm: .*{setting}"):
         load_file(path, required=True, providers=PROVIDERS)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        (
+            "ADMIN_SESSION_HOURS",
+            "nan",
+            "must be a finite number from 0.01 to 8,760 (1 year: a session's end stays a date), "
+            "got 'nan'",
+        ),
+        (
+            "WORKER_POLL_SECONDS",
+            "inf",
+            "must be a finite number from 0.001 to 86,400 (1 day: new deliveries wait that long), "
+            "got 'inf'",
+        ),
+        (
+            "WORKER_BACKOFF_MAX_SECONDS",
+            "nan",
+            "must be a finite number of at least 0, or inf (none: a delay stays within a "
+            "century), got 'nan'",
+        ),
+    ],
+)
+def test_a_nan_or_inf_setting_is_refused_naming_its_range(monkeypatch, name, value, expected):
+    # It said "must be a finite number, got 'nan'" and no range, where 99999
+    # named it; the README promises the range for every such value.
+    with pytest.raises(ConfigError) as info:
+        _start(monkeypatch, name, value)
+    assert str(info.value) == f"WEBHOOK_RECEIVER_{name} {expected}"

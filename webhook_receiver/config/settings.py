@@ -222,11 +222,18 @@ def check_settings(config: dict[str, Any]) -> None:
                 f"WEBHOOK_RECEIVER_{name} must be a{'n integer' if kind is int else ' number'}, "
                 f"got {value!r}"
             ) from None
+        largest, why = NUMERIC_MAXIMA[name]
         if math.isnan(number) or (math.isinf(number) and name not in UNCAPPED_ALLOWED):
-            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be a finite number, got {value!r}")
+            allowed = (
+                f"of at least {smallest:g}, or inf ({why})"
+                if math.isinf(largest)
+                else f"from {smallest:g} to {int(largest):,} ({why})"
+            )
+            raise ConfigError(
+                f"WEBHOOK_RECEIVER_{name} must be a finite number {allowed}, got {value!r}"
+            )
         if number < smallest:
             raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
-        largest, why = NUMERIC_MAXIMA[name]
         if number > largest:
             raise ConfigError(
                 f"WEBHOOK_RECEIVER_{name} must be from {smallest:g} to {int(largest):,} "
