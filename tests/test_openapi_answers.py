@@ -174,6 +174,7 @@ def test_every_answer_validates_against_the_document(spec, answers):
         "WWW-Authenticate",
         "Allow",
         "WebHook-Allowed-Origin",
+        "X-Request-Id",
     ],
 )
 def test_every_header_an_answer_carries_is_documented_for_it(api, answers, header):

@@ -57,13 +57,6 @@ _KEY = {
         {"pattern": r'^"([ !#-\[\]-~]|\\["\\]){1,255}"$'},
     ],
 }
-_REQUEST_ID = {
-    "description": (
-        "The caller's X-Request-Id when it is 1-200 characters of `A-Za-z0-9._:@/+=-` "
-        "(any other value is dropped), else the trace id of its traceparent, or a new id."
-    ),
-    "schema": {"type": "string"},
-}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +109,6 @@ def _paths() -> dict[str, Any]:
                                 "schema": {"type": "string"},
                             },
                             "Idempotent-Replayed": _REPLAYED,
-                            "X-Request-Id": _REQUEST_ID,
                         },
                         "content": _json(_ref("Event")),
                     },
@@ -175,7 +167,6 @@ def _paths() -> dict[str, Any]:
                         ),
                         "headers": {
                             "Idempotent-Replayed": _REPLAYED,
-                            "X-Request-Id": _REQUEST_ID,
                         },
                         "content": _json(
                             {
@@ -441,6 +432,17 @@ def _schemas() -> dict[str, Any]:
     }
 
 
+def _with_request_id(paths: dict[str, Any]) -> dict[str, Any]:
+    """Add X-Request-Id to every response: correlation.py echoes it on each, refusals too."""
+    for operations in paths.values():
+        for operation in operations.values():
+            for response in operation["responses"].values():
+                response.setdefault("headers", {})["X-Request-Id"] = {
+                    "$ref": "#/components/headers/RequestId"
+                }
+    return paths
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document, built once per process."""
@@ -464,13 +466,22 @@ def document() -> dict[str, Any]:
             {"name": "Probes", "description": "Liveness, readiness and metrics."},
             {"name": "Documentation", "description": "This document and the problem types."},
         ],
-        "paths": _paths(),
+        "paths": _with_request_id(_paths()),
         "components": {
             "schemas": _schemas(),
             "headers": {
                 "RetryAfter": {
                     "description": "Seconds to wait before sending the request again.",
                     "schema": {"type": "string", "pattern": "^[0-9]+$"},
+                },
+                "RequestId": {
+                    "description": (
+                        "The caller's X-Request-Id when it is 1-200 characters of "
+                        "`A-Za-z0-9._:@/+=-` (any other value is dropped), else the trace id "
+                        "of its traceparent, or a new id."
+                    ),
+                    "required": True,
+                    "schema": {"type": "string"},
                 },
                 "Challenge": {
                     "description": 'The scheme to authenticate with: `Bearer realm="..."`.',
