@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from webhook_receiver.problems import PROBLEM_JSON
+
 from .conftest import CLIENTS, GLOBEX_TOKEN, bearer
 from .helpers import post_event
 from .helpers.signing import hmac_hex
@@ -190,3 +192,14 @@ def test_every_header_an_answer_carries_is_documented_for_it(api, answers, heade
         }
     ]
     assert not missing, f"{header} sent but not documented:\n" + "\n".join(missing)
+
+
+def test_every_member_of_a_problem_is_documented(api, answers):
+    doc = api.get("/openapi.json").get_json()
+    members = set(doc["components"]["schemas"]["Problem"]["properties"])
+    undocumented = [
+        f"{_label(path, method, response)}: {sorted(set(response.get_json()) - members)}"
+        for path, method, response in answers
+        if response.mimetype == PROBLEM_JSON and set(response.get_json()) - members
+    ]
+    assert not undocumented, "\n".join(undocumented)

@@ -417,6 +417,13 @@ def _schemas() -> dict[str, Any]:
                 "title": {"type": "string"},
                 "status": {"type": "integer"},
                 "detail": {"type": "string"},
+                "event_id": {
+                    "type": ["integer", "null"],
+                    "description": (
+                        "`dedup-key-conflict` only: the event stored earlier under the key, "
+                        "whose content this delivery differs from."
+                    ),
+                },
             },
         },
         "ProblemType": {
