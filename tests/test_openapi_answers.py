@@ -12,6 +12,7 @@ client generated from the document sees only what it lists.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ from webhook_receiver.problems import PROBLEM_JSON
 from .conftest import CLIENTS, GLOBEX_TOKEN, bearer
 from .helpers import post_event
 from .helpers.signing import hmac_hex
-from .servers import free_port
+from .idempotency.test_one_commit import StatementGate, lock_waits
+from .servers import free_port, wait_until
 from .test_openapi import SOURCES, RecordingClient, _signed, api, checked, spec
 
 __all__ = ["api", "spec"]  # fixtures
@@ -167,18 +169,18 @@ def test_every_answer_validates_against_the_document(spec, answers):
             raise AssertionError(f"{_label(path, method, response)}: {exc!r}") from exc
 
 
-@pytest.mark.parametrize(
-    "header",
-    [
-        "Location",
-        "Idempotent-Replayed",
-        "Retry-After",
-        "WWW-Authenticate",
-        "Allow",
-        "WebHook-Allowed-Origin",
-        "X-Request-Id",
-    ],
-)
+HEADERS = [
+    "Location",
+    "Idempotent-Replayed",
+    "Retry-After",
+    "WWW-Authenticate",
+    "Allow",
+    "WebHook-Allowed-Origin",
+    "X-Request-Id",
+]
+
+
+@pytest.mark.parametrize("header", HEADERS)
 def test_every_header_an_answer_carries_is_documented_for_it(api, answers, header):
     doc = api.get("/openapi.json").get_json()
     missing = [
@@ -203,3 +205,49 @@ def test_every_member_of_a_problem_is_documented(api, answers):
         if response.mimetype == PROBLEM_JSON and set(response.get_json()) - members
     ]
     assert not undocumented, "\n".join(undocumented)
+
+
+def _unpromised(doc: dict[str, Any], answers: list[Answer]) -> list[str]:
+    """Headers every answer of an operation's status carries, not marked required for it."""
+    groups: dict[tuple[str, str, int], list[Any]] = {}
+    for path, method, response in answers:
+        groups.setdefault((path, method, response.status_code), []).append(response)
+    components = doc["components"]["headers"]
+    unpromised = []
+    for (path, method, status), responses in groups.items():
+        documented = {
+            name.lower(): components[h["$ref"].rsplit("/", 1)[1]] if "$ref" in h else h
+            for name, h in _documented(doc, path, method, status).get("headers", {}).items()
+        }
+        for header in HEADERS:
+            always = all(header in response.headers for response in responses)
+            if always and not documented.get(header.lower(), {}).get("required"):
+                unpromised.append(f"{method.upper()} {path} {status}: {header}")
+    return unpromised
+
+
+def test_a_header_every_such_answer_carries_is_required_in_the_document(api, answers):
+    # A generated client types an optional header as maybe absent: one the
+    # receiver always sends (Retry-After on a 503, Location on a 201) is promised.
+    unpromised = _unpromised(api.get("/openapi.json").get_json(), answers)
+    assert not unpromised, "\n".join(unpromised)
+
+
+def test_a_key_in_flight_is_the_documented_409(spec, api, make_app, db_url):
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite has no lock per key: a writer waits for the database (busy timeout)")
+    app = make_app({"clients": CLIENTS}, IDEMPOTENCY_LOCK_TIMEOUT_SECONDS=0.05)
+    app.test_client_class = RecordingClient
+    pool = ThreadPoolExecutor(1)
+    with StatementGate(db_url) as gate:
+        first = pool.submit(post_event, app.test_client(), "in-flight", EVENT)
+        assert wait_until(lambda: lock_waits(db_url) == 1, timeout=20)
+        # The first holds its uncommitted record for as long as this takes.
+        waited = post_event(app.test_client(), "in-flight", EVENT)
+        gate.release()
+        assert first.result(20).status_code == 201
+    pool.shutdown()
+    assert waited.get_json()["type"] == "/problems/idempotency-key-in-use"
+    checked(spec, waited, request_too=False)
+    answer = [("/api/events", "post", waited)]
+    assert not _unpromised(api.get("/openapi.json").get_json(), answer)

@@ -106,6 +106,7 @@ def _paths() -> dict[str, Any]:
                         "headers": {
                             "Location": {
                                 "description": "The event's URL.",
+                                "required": True,
                                 "schema": {"type": "string"},
                             },
                             "Idempotent-Replayed": _REPLAYED,
@@ -209,7 +210,7 @@ def _paths() -> dict[str, Any]:
                     "200": {
                         "description": "The handshake's answer, or the allowed methods.",
                         "headers": {
-                            "Allow": {"schema": {"type": "string"}},
+                            "Allow": {"required": True, "schema": {"type": "string"}},
                             "WebHook-Allowed-Origin": {"schema": {"type": "string"}},
                             "WebHook-Allowed-Rate": {"schema": {"type": "string"}},
                         },
@@ -479,6 +480,7 @@ def document() -> dict[str, Any]:
             "headers": {
                 "RetryAfter": {
                     "description": "Seconds to wait before sending the request again.",
+                    "required": True,
                     "schema": {"type": "string", "pattern": "^[0-9]+$"},
                 },
                 "RequestId": {
