@@ -8,11 +8,14 @@ wrong.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from flask import Flask
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -202,8 +205,64 @@ def _boolean(name: str, value: Any) -> bool:
     return _BOOLEAN_WORDS[word]
 
 
-def check_settings(config: dict[str, Any]) -> None:
-    """Coerce the numeric and boolean settings in place, or say which one is wrong and how."""
+PREFIX = "WEBHOOK_RECEIVER_"
+# The names read under the prefix: the receiver's settings, its TOML file,
+# and (as the README says) Flask's and its extensions' own settings.
+ENVIRONMENT_NAMES = frozenset(
+    {
+        *DEFAULTS,
+        "CONFIG",
+        *Flask.default_config,
+        "SQLALCHEMY_BINDS",
+        "SQLALCHEMY_ECHO",
+        "SQLALCHEMY_RECORD_QUERIES",
+        "SQLALCHEMY_TRACK_MODIFICATIONS",
+        "WTF_CSRF_ENABLED",
+        "WTF_CSRF_FIELD_NAME",
+        "WTF_CSRF_HEADERS",
+        "WTF_CSRF_METHODS",
+        "WTF_CSRF_SECRET_KEY",
+        "WTF_CSRF_SSL_STRICT",
+        "WTF_CSRF_TIME_LIMIT",
+    }
+    # The app sets these itself, over any value given.
+    - {"MAX_CONTENT_LENGTH", "SESSION_COOKIE_SAMESITE"}
+)
+# Names taken for another's, and the variable meant.
+_MEANT = {
+    "DATABASE_URL": "DATABASE_URL",
+    "SQLALCHEMY_DATABASE_URI": "DATABASE_URL",
+    "MAX_CONTENT_LENGTH": PREFIX + "MAX_BODY_BYTES",
+}
+
+
+def check_environment_names(environ: Mapping[str, str]) -> None:
+    """Refuse a ``WEBHOOK_RECEIVER_*`` variable the receiver does not read (a typo, mostly).
+
+    Flask's ``from_prefixed_env`` takes each into the config, where nobody
+    reads a misspelled one. ``A__B`` nests B in the setting A, as Flask does.
+    """
+    for variable in sorted(environ):
+        if not variable.startswith(PREFIX):
+            continue
+        name = variable[len(PREFIX) :].partition("__")[0]
+        if name in ENVIRONMENT_NAMES:
+            continue
+        meant = _MEANT.get(name)
+        if meant is None:
+            close = difflib.get_close_matches(name, sorted(ENVIRONMENT_NAMES), n=1)
+            meant = PREFIX + close[0] if close else None
+        hint = f": did you mean {meant}?" if meant else ""
+        # The value is never shown: it may be a password or a token.
+        raise ConfigError(f"{variable} is not a setting the receiver reads{hint}")
+
+
+def check_settings(config: dict[str, Any], environ: Mapping[str, str] | None = None) -> None:
+    """Coerce the numeric and boolean settings in place, or say which one is wrong and how.
+
+    ``environ`` (the process's environment by default) is checked for names no one reads.
+    """
+    check_environment_names(os.environ if environ is None else environ)
     for name in sorted(BOOLEAN_SETTINGS & set(config)):
         config[name] = _boolean(name, config[name])
     for name, (kind, smallest) in NUMERIC_SETTINGS.items():
