@@ -25,7 +25,7 @@ from .helpers import post_event
 from .helpers.signing import hmac_hex
 from .idempotency.test_one_commit import StatementGate, lock_waits
 from .servers import free_port, wait_until
-from .test_openapi import SOURCES, RecordingClient, _signed, api, checked, spec
+from .test_openapi import SOURCES, RecordingClient, _request_is_valid, _signed, api, checked, spec
 
 __all__ = ["api", "spec"]  # fixtures
 
@@ -251,3 +251,31 @@ def test_a_key_in_flight_is_the_documented_409(spec, api, make_app, db_url):
     checked(spec, waited, request_too=False)
     answer = [("/api/events", "post", waited)]
     assert not _unpromised(api.get("/openapi.json").get_json(), answer)
+
+
+_EVENTS_TAKEN = [
+    {"type": "t", "data": None},
+    {"type": "\u00e9" * 255, "data": 1},
+    {"type": "a\u0001b", "data": "a\u0000b"},
+]
+_EVENTS_REFUSED = [
+    {"type": "", "data": 1},
+    {"type": "x" * 256, "data": 1},
+    {"type": "a\u0000b", "data": 1},
+    {"type": 7, "data": 1},
+    {"type": "t"},
+    {"data": 1},
+]
+
+
+def test_the_documented_event_is_the_one_the_server_takes(spec, api):
+    # An event the document allows is one the server stores, and one it
+    # refuses as invalid-event breaks the document.
+    for i, event in enumerate(_EVENTS_TAKEN):
+        response = post_event(api, f"taken-{i}", event)
+        assert response.status_code == 201, event
+        assert _request_is_valid(spec, response), event
+    for i, event in enumerate(_EVENTS_REFUSED):
+        response = post_event(api, f"refused-{i}", event)
+        assert response.get_json()["type"] == "/problems/invalid-event", event
+        assert not _request_is_valid(spec, response), event

@@ -343,7 +343,13 @@ def _schemas() -> dict[str, Any]:
             "type": "object",
             "required": ["type", "data"],
             "properties": {
-                "type": {"type": "string", "minLength": 1, "maxLength": 255},
+                # No NUL: no database stores one in text (inbox/messages.py).
+                "type": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 255,
+                    "pattern": "^[^\\u0000]*$",
+                },
                 "data": {"description": "Any JSON value."},
             },
         },
