@@ -83,7 +83,7 @@ def test_chart_draws_received_and_duplicates_per_hour(admin_app, admin):
     assert svg.count('class="bar-received"') == 24
     assert svg.count('class="bar-duplicates"') == 24
     hour = two_hours_ago.strftime("%Y-%m-%d %H:00")
-    assert f"{hour}: 3 received, 2 duplicates" in svg
+    assert f"{hour} UTC: 3 received, 2 duplicates" in svg
     assert "<script" not in page
     # The tallest bar reaches the top of the plot; empty hours draw nothing.
     heights = [float(h) for h in re.findall(r'class="bar-received"[^>]*height="([\d.]+)"', svg)]
