@@ -106,7 +106,7 @@ def test_two_release_steps_at_once_both_succeed_and_migrate_once(database, tmp_p
 
     engine = create_engine(sa_url)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0010"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0011"
     engine.dispose()
 
 

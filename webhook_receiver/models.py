@@ -301,6 +301,11 @@ class EntityVersion(Model):
     version: Mapped[str] = mapped_column(String(100))
     event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id", ondelete="SET NULL"))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # The forward delivery sending a version of this entity, if any: while it
+    # is in flight (claimed, its lease running), no other is sent (see
+    # outbox/ordering.take_entity). No foreign key: a delivery gone is one
+    # no longer in flight.
+    sending_delivery_id: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class BrokerPosition(Model):

@@ -28,12 +28,13 @@ from sqlalchemy import exists
 from .. import pointers
 from ..database import is_sqlite
 from ..extensions import db
-from ..models import EntityVersion
+from ..models import Delivery, EntityVersion
 from . import deliveries
 from .deliveries import Claim
 
 log = logging.getLogger(__name__)
 _t = EntityVersion.__table__
+_d = Delivery.__table__
 _NUMBER = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 _MAX_NUMBER = Decimal(10) ** 24
 _NANO = Decimal("1e-9")
@@ -154,6 +155,50 @@ def skip_if_stale(claim: Claim, source: str, key: Key, now: datetime) -> bool:
         _t.c.source == source, _t.c.entity == key.entity, _t.c.version > key.version
     )
     return deliveries.mark_skipped(claim, now, STALE, when=newer)
+
+
+# The version of an entity's row made by take_entity before any is applied:
+# below every version (an empty one is never read as a version).
+NONE_APPLIED = ""
+
+
+def take_entity(claim: Claim, source: str, key: Key, now: datetime) -> bool:
+    """Name this delivery as the one sending its entity; False while another one is.
+
+    A forward's call is made outside any transaction, between the stale
+    check and the version's advance: two workers could send two versions of
+    one entity at once, and the older could arrive last. The entity's row
+    names the delivery whose call is in flight; it is taken over once that
+    one is no longer in flight (delivered, failed, given back, or its lease
+    expired), so nothing has to release it: the delivery's own state does.
+    An entity with no version applied yet gets its row here. One
+    conditional upsert: on PostgreSQL its row lock makes concurrent takers
+    wait, then see the winner's name. The caller commits.
+    """
+    if is_sqlite():
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+    in_flight = exists().where(
+        _d.c.id == _t.c.sending_delivery_id,
+        _d.c.id != claim.id,
+        _d.c.state == deliveries.IN_PROGRESS,
+        _d.c.lease_expires_at > now,
+    )
+    row = insert(_t).values(
+        source=source,
+        entity=key.entity,
+        version=NONE_APPLIED,
+        event_id=None,
+        updated_at=now,
+        sending_delivery_id=claim.id,
+    )
+    upsert = row.on_conflict_do_update(
+        index_elements=["source", "entity"],
+        set_={"sending_delivery_id": claim.id},
+        where=~in_flight,
+    ).returning(_t.c.id)
+    return db.session.execute(upsert).first() is not None
 
 
 def advance(source: str, key: Key, event_id: int, now: datetime) -> bool:

@@ -443,8 +443,11 @@ class Worker:
         if key is not None:
             try:
                 with self._watch("worker ordering check"), unit_of_work():
-                    if ordering.skip_if_stale(claim, snap.source, key, self.clock()):
+                    now = self.clock()
+                    if ordering.skip_if_stale(claim, snap.source, key, now):
                         return self._skipped_as_stale(claim, snap)
+                    if not ordering.take_entity(claim, snap.source, key, now):
+                        return self._wait_for_entity(claim, snap, now)
             except Exception as exc:
                 if not is_unavailable(exc):
                     raise
@@ -554,6 +557,22 @@ class Worker:
                 getattr(exc, "orig", None) or exc,
                 extra={"worker": self.name, "outage": "database"},
             )
+
+    def _wait_for_entity(self, claim: Claim, snap: _Snapshot, now: datetime) -> AttemptOutcome:
+        """Give the delivery back unattempted: another version of its entity is being sent.
+
+        Looked at again after RECHECK_SECONDS: by then the other is mostly
+        done, and this one is sent after it, or skipped if it is older.
+        """
+        until = now + timedelta(seconds=limits.RECHECK_SECONDS)
+        circuits.hold_back(claim, now, until)
+        log.debug(
+            "worker %s: delivery %s waits for another version of its entity in flight",
+            self.name,
+            claim.id,
+            extra={"worker": self.name, "delivery_id": claim.id},
+        )
+        return self._outcome(claim, snap, limits.HELD, next_attempt_at=until)
 
     def _skipped_as_stale(self, claim: Claim, snap: _Snapshot) -> AttemptOutcome:
         """Log the attempt skipped (a newer version is applied), in the marking unit of work."""
