@@ -33,8 +33,23 @@ def redact(headers: Iterable[Sequence[str]] | None) -> list[tuple[str, str]]:
         # Rows stored before the receipt redacted by name are hidden here too.
         if is_secret_header(name):
             value = REDACTED
-        shown.append((name, value))
+        shown.append((name, header_text(value)))
     return shown
+
+
+def header_text(value: str) -> str:
+    """A stored header value as its sender wrote it: UTF-8 bytes read as such.
+
+    WSGI hands header bytes over as Latin-1 (PEP 3333), so "Zoë" sent as
+    UTF-8 is stored as "ZoÃ«". Bytes that are not UTF-8 stay Latin-1, and a
+    value holding characters beyond Latin-1 was text already (a broker's).
+    """
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
 
 
 @dataclass(frozen=True)
