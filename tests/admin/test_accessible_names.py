@@ -21,3 +21,10 @@ def test_every_column_header_has_a_name(admin_app, admin):
         if empty:
             nameless[path] = len(empty)
     assert nameless == {}
+
+
+def test_the_log_out_everywhere_button_says_what_it_does(admin):
+    # Its visible word alone ("everywhere") names no action to a screen reader.
+    page = text(admin.get("/admin/"))
+    button = re.search(r'<button[^>]*name="everywhere"[^>]*>', page).group(0)
+    assert 'aria-label="Log out everywhere"' in button
