@@ -12,7 +12,9 @@ from .conftest import add, conflict, delivery, duplicate, event, rejection, text
 
 def metrics(page: str) -> list[dict[str, int]]:
     rows = []
-    for row in page.split('<th scope="row">')[1:]:
+    counts = page[page.index('<table class="counts">') :]
+    counts = counts[: counts.index("</table>")]
+    for row in counts.split('<th scope="row">')[1:]:
         row = row.split("</tr>")[0]
         rows.append({k: int(v) for k, v in re.findall(r'data-metric="(\w+)">(\d+)<', row)})
     return rows
