@@ -6,6 +6,7 @@ autoescaping makes every payload and header value inert.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import json
 import math
@@ -13,6 +14,8 @@ import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+
+from werkzeug.http import parse_options_header
 
 from ..events import REDACTED, is_secret_header
 from ..fingerprint import JSONError, is_json_type, loads
@@ -60,6 +63,7 @@ class Body:
     text: str
     size: int
     truncated: bool = False
+    charset: str = ""  # the Content-Type's, when a text body was read in another than UTF-8
 
 
 def hexdump(data: bytes, limit: int | None = HEXDUMP_LIMIT) -> list[str]:
@@ -74,10 +78,23 @@ def hexdump(data: bytes, limit: int | None = HEXDUMP_LIMIT) -> list[str]:
     return lines
 
 
-def _as_text(body: bytes) -> str | None:
+def declared_charset(content_type: str | None) -> str:
+    """The charset a Content-Type names, lowercased, when Python knows it; else ""."""
+    if not content_type:
+        return ""
+    name = parse_options_header(content_type)[1].get("charset", "").strip().lower()
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
+        codecs.lookup(name)
+    except LookupError:
+        return ""
+    return name
+
+
+def _as_text(body: bytes, charset: str = "") -> str | None:
+    # The charset the sender named, else UTF-8: a Latin-1 form post is text too.
+    try:
+        text = body.decode(charset or "utf-8")
+    except (UnicodeError, LookupError):  # LookupError: not a text encoding (zlib)
         return None
     return None if _CONTROL.search(text) else text
 
@@ -99,9 +116,11 @@ def show_body(body: bytes | None, content_type: str | None) -> Body:
     parsed = _as_json(body, content_type)
     if parsed is not None:
         return Body("json", json.dumps(parsed, indent=2, ensure_ascii=False), len(body))
-    text = _as_text(body)
+    charset = declared_charset(content_type)
+    text = _as_text(body, charset)
     if text is not None:
-        return Body("text", text, len(body))
+        named = charset if codecs.lookup(charset or "utf-8").name != "utf-8" else ""
+        return Body("text", text, len(body), charset=named)
     return Body("binary", "\n".join(hexdump(body)), len(body), len(body) > HEXDUMP_LIMIT)
 
 
@@ -116,7 +135,7 @@ def diff_lines(body: bytes | None, content_type: str | None) -> list[str]:
     parsed = _as_json(body, content_type)
     if parsed is not None:
         return json.dumps(parsed, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
-    text = _as_text(body)
+    text = _as_text(body, declared_charset(content_type))
     if text is not None:
         return text.splitlines()
     return hexdump(body, limit=64 * 1024)
