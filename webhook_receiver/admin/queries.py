@@ -169,9 +169,14 @@ class EventDetail:
     duplicates: list[Any] = field(default_factory=list)
     conflicts: list[Any] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
+    # All its conflicts, of which ``conflicts`` holds the newest CONFLICTS_SHOWN.
+    conflict_count: int = 0
 
 
 DUPLICATES_SHOWN = 200
+# A sender that reuses one key for everything gives its event thousands of
+# conflicts: the page lists the newest and counts the rest.
+CONFLICTS_SHOWN = 200
 
 
 def event_detail(event_id: int) -> EventDetail | None:
@@ -195,13 +200,28 @@ def event_detail(event_id: int) -> EventDetail | None:
         )
         .where(EventConflict.event_id == event_id)
         .order_by(EventConflict.received_at.desc(), EventConflict.id.desc())
+        .limit(CONFLICTS_SHOWN)
     ).all()
+    conflict_count = len(conflicts)
+    if conflict_count == CONFLICTS_SHOWN:
+        conflict_count = (
+            db.session.scalar(select(func.count()).where(EventConflict.event_id == event_id)) or 0
+        )
     deliveries = list(
         db.session.scalars(
             select(Delivery).where(Delivery.event_id == event_id).order_by(Delivery.consumer)
         )
     )
-    return EventDetail(event, list(duplicates), list(conflicts), deliveries)
+    return EventDetail(event, list(duplicates), list(conflicts), deliveries, conflict_count)
+
+
+def event_body(event_id: int) -> bytes | None:
+    """An event's body as it was received (None: no such event), and end the read."""
+    try:
+        row = db.session.execute(select(Event.body).where(Event.id == event_id)).first()
+    finally:
+        db.session.rollback()
+    return None if row is None else bytes(row.body or b"")
 
 
 def can_requeue(delivery: Any, now: datetime) -> bool:
