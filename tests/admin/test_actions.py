@@ -8,11 +8,13 @@ import re
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import func
 
 from webhook_receiver.extensions import db
-from webhook_receiver.models import Delivery, EventConflict, IdempotencyRecord, utcnow
+from webhook_receiver.models import Delivery, Event, EventConflict, IdempotencyRecord, utcnow
 
 from .conftest import (
+    NOW,
     PASSWORD,
     conflict,
     csrf_token,
@@ -547,7 +549,9 @@ def test_evict_a_key(admin_app, admin):
     record_id = idempotency_record(admin_app, key="k-evict")
     keep = idempotency_record(admin_app, key="k-keep")
     response = post(
-        admin, f"/admin/idempotency/{record_id}/evict", {"next": "/admin/idempotency?client=acme"}
+        admin,
+        f"/admin/idempotency/{record_id}/evict",
+        {"next": "/admin/idempotency?client=acme", **CONFIRM},
     )
     assert response.status_code == 302
     assert response.headers["Location"] == "/admin/idempotency?client=acme"
@@ -555,8 +559,21 @@ def test_evict_a_key(admin_app, admin):
         assert db.session.get(IdempotencyRecord, record_id) is None
         assert db.session.get(IdempotencyRecord, keep) is not None
     assert "Evicted the key" in text(admin.get("/admin/idempotency"))
-    post(admin, f"/admin/idempotency/{record_id}/evict")
+    post(admin, f"/admin/idempotency/{record_id}/evict", CONFIRM)
     assert "That key was already gone." in text(admin.get("/admin/idempotency"))
+
+
+def test_an_eviction_posted_without_its_confirmation_evicts_nothing(admin_app, admin):
+    # The form's tick is required in the browser; a form posted by hand (or
+    # with JavaScript's checks bypassed) must not evict either: its next
+    # request would run a completed request a second time.
+    record_id = idempotency_record(admin_app, key="k-unconfirmed")
+    for form in ({}, {"confirm": "no"}):
+        response = post(admin, f"/admin/idempotency/{record_id}/evict", form)
+        assert response.status_code == 302
+        assert "Nothing was evicted" in text(admin.get("/admin/idempotency"))
+    with admin_app.app_context():
+        assert db.session.get(IdempotencyRecord, record_id) is not None
 
 
 def test_a_key_whose_request_is_running_is_not_evicted(admin_app, admin):
@@ -573,10 +590,10 @@ def test_a_key_whose_request_is_running_is_not_evicted(admin_app, admin):
     page = text(admin.get("/admin/idempotency"))
     assert f"/admin/idempotency/{running}/evict" not in page
     assert f"/admin/idempotency/{abandoned}/evict" in page
-    response = post(admin, f"/admin/idempotency/{running}/evict")
+    response = post(admin, f"/admin/idempotency/{running}/evict", CONFIRM)
     assert response.status_code == 302
     assert "still running" in text(admin.get("/admin/idempotency"))
-    post(admin, f"/admin/idempotency/{abandoned}/evict")
+    post(admin, f"/admin/idempotency/{abandoned}/evict", CONFIRM)
     with admin_app.app_context():
         assert db.session.get(IdempotencyRecord, running) is not None
         assert db.session.get(IdempotencyRecord, abandoned) is None
@@ -592,7 +609,7 @@ def test_an_evicted_key_runs_afresh_on_the_api(admin_app, admin):
     assert first.status_code == 201
     with admin_app.app_context():
         record_id = db.session.query(IdempotencyRecord.id).scalar()
-    post(admin, f"/admin/idempotency/{record_id}/evict")
+    post(admin, f"/admin/idempotency/{record_id}/evict", CONFIRM)
     again = api.post("/api/events", json=body, headers=headers)
     assert again.status_code == 201
     assert "Idempotent-Replayed" not in again.headers
@@ -641,3 +658,37 @@ def test_a_small_conflict_is_still_highlighted(admin_app, admin) -> None:
     page = admin.get(f"/admin/conflicts/{conflict_id}").get_data(as_text=True)
     assert 'id="body-diff"' in page and "too-large" not in page
     assert "<mark>250</mark>" in page
+
+
+def test_an_event_with_thousands_of_conflicts_lists_the_newest_and_counts_them(
+    admin_app, admin
+) -> None:
+    # A sender that reuses one dedup key for everything: the event page
+    # listed every conflict (3,000 made a 418 KB page).
+    from webhook_receiver.admin.queries import CONFLICTS_SHOWN
+
+    event_id = event(admin_app, dedup_key="always-1")
+    total = CONFLICTS_SHOWN + 5
+    with admin_app.app_context():
+        original = db.session.get(Event, event_id)
+        db.session.add_all(
+            EventConflict(
+                event_id=event_id,
+                source=original.source,
+                dedup_key=original.dedup_key,
+                fingerprint=f"{n:064x}",
+                content_type="application/json",
+                body=b"{}",
+                headers=[],
+                received_at=NOW + timedelta(seconds=n),
+                last_seen_at=NOW + timedelta(seconds=n),
+            )
+            for n in range(total)
+        )
+        db.session.commit()
+        newest = db.session.query(func.max(EventConflict.id)).scalar()
+    page = text(admin.get(f"/admin/events/{event_id}"))
+    assert page.count('href="/admin/conflicts/') == CONFLICTS_SHOWN
+    assert f'href="/admin/conflicts/{newest}"' in page
+    assert f"The newest {CONFLICTS_SHOWN} are shown" in page
+    assert f'Conflicting deliveries <small class="muted">{total}</small>' in page

@@ -94,7 +94,9 @@ def test_token_in_header_is_accepted(strict_app, logged_in):
     record_id = idempotency_record(strict_app)
     token = csrf_token(logged_in, "/admin/")
     response = logged_in.post(
-        f"/admin/idempotency/{record_id}/evict", headers={"X-CSRFToken": token}
+        f"/admin/idempotency/{record_id}/evict",
+        data={"confirm": "yes"},
+        headers={"X-CSRFToken": token},
     )
     assert response.status_code == 302
     with strict_app.app_context():

@@ -64,6 +64,17 @@ def conflict_with_event(conflict_id: int) -> tuple[EventConflict, Event] | None:
     return conflict, event
 
 
+def conflict_body(conflict_id: int) -> bytes | None:
+    """A conflicting delivery's body as it was received (None: no such conflict); ends the read."""
+    try:
+        row = db.session.execute(
+            select(EventConflict.body).where(EventConflict.id == conflict_id)
+        ).first()
+    finally:
+        db.session.rollback()
+    return None if row is None else bytes(row.body or b"")
+
+
 NOT_REVIEWED = ""
 ANY_REVIEW = None
 

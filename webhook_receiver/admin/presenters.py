@@ -24,6 +24,10 @@ from ..fingerprint import JSONError, is_json_type, loads
 # holding them is shown as bytes.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 HEXDUMP_LIMIT = 4096
+# A text or JSON body larger than this is shown as its first part, as text
+# (laid out whole, one raised MAX_BODY_BYTES made the page as large); the
+# whole body is a download (views.event_body).
+SHOWN_LIMIT = 1024 * 1024
 
 
 def redact(headers: Iterable[Sequence[str]] | None) -> list[tuple[str, str]]:
@@ -99,6 +103,18 @@ def _as_text(body: bytes, charset: str = "") -> str | None:
     return None if _CONTROL.search(text) else text
 
 
+def _head_text(head: bytes, charset: str) -> str | None:
+    """A body's first part as text, a character cut in two at its end left out; None if not text."""
+    try:
+        head.decode(charset or "utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start >= len(head) - 3:  # a character's first bytes only, at the cut
+            head = head[: exc.start]
+    except LookupError:
+        return None
+    return _as_text(head, charset)
+
+
 def _as_json(body: bytes, content_type: str | None) -> object | None:
     if not is_json_type(content_type) and body.lstrip()[:1] not in (b"{", b"["):
         return None
@@ -113,10 +129,15 @@ def show_body(body: bytes | None, content_type: str | None) -> Body:
     body = body or b""
     if not body:
         return Body("empty", "", 0)
+    charset = declared_charset(content_type)
+    if len(body) > SHOWN_LIMIT:
+        head = _head_text(body[:SHOWN_LIMIT], charset)
+        if head is not None:
+            return Body("text", head, len(body), truncated=True)
+        return Body("binary", "\n".join(hexdump(body)), len(body), truncated=True)
     parsed = _as_json(body, content_type)
     if parsed is not None:
         return Body("json", json.dumps(parsed, indent=2, ensure_ascii=False), len(body))
-    charset = declared_charset(content_type)
     text = _as_text(body, charset)
     if text is not None:
         named = charset if codecs.lookup(charset or "utf-8").name != "utf-8" else ""

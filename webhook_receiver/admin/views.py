@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from flask import (
+    Response,
     abort,
     current_app,
     flash,
@@ -272,6 +273,7 @@ def event(event_id: int) -> str:
             ev.source, ev.event_type, ev.body, {d.consumer for d in detail.deliveries}
         ),
         duplicates_shown=queries.DUPLICATES_SHOWN,
+        shown_limit=presenters.SHOWN_LIMIT,
     )
 
 
@@ -427,6 +429,31 @@ def conflicts() -> ResponseReturnValue:
     ), _status(errors)
 
 
+def _body_download(body: bytes | None, name: str) -> Response:
+    """A stored body as it came, byte for byte, saved as a file (never shown inline)."""
+    response = Response(body or b"", mimetype="application/octet-stream")
+    response.headers["Content-Disposition"] = f'attachment; filename="{name}"'
+    return response
+
+
+@bp.get("/events/<int:event_id>/body")
+def event_body(event_id: int) -> Response:
+    """Download an event's body as it was received."""
+    body = queries.event_body(event_id)
+    if body is None:
+        abort(404, "No such event.")
+    return _body_download(body, f"event-{event_id}.body")
+
+
+@bp.get("/conflicts/<int:conflict_id>/body")
+def conflict_body(conflict_id: int) -> Response:
+    """Download a conflicting delivery's body as it was received."""
+    body = conflict_reviews.conflict_body(conflict_id)
+    if body is None:
+        abort(404, "No such conflict.")
+    return _body_download(body, f"conflict-{conflict_id}.body")
+
+
 @bp.get("/conflicts/<int:conflict_id>")
 def conflict(conflict_id: int) -> str:
     """Show the original and the conflicting payload side by side."""
@@ -526,6 +553,12 @@ def idempotency() -> ResponseReturnValue:
 @bp.post("/idempotency/<int:record_id>/evict")
 def evict(record_id: int) -> ResponseReturnValue:
     """Delete one Idempotency-Key record, so that the key may be used afresh; not while it runs."""
+    back = auth.safe_next(request.form.get("next")) or url_for("admin.idempotency")
+    # The form's checkbox is required in the browser too; this is the check
+    # that counts (no JavaScript, and a form can be posted by hand).
+    if request.form.get("confirm") != "yes":
+        flash("Nothing was evicted: tick “Its next request runs afresh” to confirm.", "warning")
+        return redirect(back)
     # The rule (never a running request's record) is the engine's own.
     with unit_of_work():
         outcome = records.evict(record_id, utcnow())
@@ -539,7 +572,7 @@ def evict(record_id: int) -> ResponseReturnValue:
         )
     else:
         flash("That key was already gone.", "warning")
-    return redirect(auth.safe_next(request.form.get("next")) or url_for("admin.idempotency"))
+    return redirect(back)
 
 
 # -- rejections --------------------------------------------------------------
