@@ -24,6 +24,9 @@ def create_app(test_config: Mapping[str, Any] | None = None) -> Flask:
     os.makedirs(app.instance_path, exist_ok=True)
 
     app.config.from_mapping(cfg.DEFAULTS)
+    # Before Flask reads them: a name nested in a setting that is no table
+    # would end in its TypeError.
+    cfg.check_environment_names(os.environ)
     app.config.from_prefixed_env("WEBHOOK_RECEIVER")
     if os.environ.get("SECRET_KEY"):
         app.config["SECRET_KEY"] = os.environ["SECRET_KEY"]

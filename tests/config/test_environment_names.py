@@ -92,3 +92,23 @@ def test_the_flask_cli_says_a_misspelled_variable_in_one_line(tmp_path):
         "did you mean WEBHOOK_RECEIVER_WORKER_THREADS?"
     ) in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name", ["WORKER_THREADS__x", "ADMIN_PASSWORD__x", "SECRET_KEY__a__b"])
+def test_a_name_nested_in_a_setting_that_is_no_table_is_one_line(monkeypatch, name):
+    # Flask's from_prefixed_env sets A__B as config[A][B]: inside a number or
+    # a string that was its TypeError traceback, before any check ran.
+    monkeypatch.setenv(f"WEBHOOK_RECEIVER_{name}", "1")
+    setting = name.partition("__")[0]
+    with pytest.raises(ConfigError) as info:
+        _start()
+    assert str(info.value) == (
+        f"WEBHOOK_RECEIVER_{name}: WEBHOOK_RECEIVER_{setting} is not a table of settings: "
+        f"set WEBHOOK_RECEIVER_{setting} itself"
+    )
+
+
+def test_a_name_nested_in_a_table_setting_is_still_taken(monkeypatch):
+    monkeypatch.setenv("WEBHOOK_RECEIVER_SQLALCHEMY_ENGINE_OPTIONS__pool_size", "3")
+    app = create_app({"TESTING": True, "RECEIVER_CONFIG": {}})
+    assert app.config["SQLALCHEMY_ENGINE_OPTIONS"]["pool_size"] == 3

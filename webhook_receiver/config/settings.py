@@ -245,8 +245,15 @@ def check_environment_names(environ: Mapping[str, str]) -> None:
     for variable in sorted(environ):
         if not variable.startswith(PREFIX):
             continue
-        name = variable[len(PREFIX) :].partition("__")[0]
+        name, nested, _ = variable[len(PREFIX) :].partition("__")
         if name in ENVIRONMENT_NAMES:
+            default = DEFAULTS.get(name, Flask.default_config.get(name, {}))
+            if nested and not isinstance(default, dict):
+                # Flask would set a key inside a number or a string (a TypeError).
+                raise ConfigError(
+                    f"{variable}: {PREFIX}{name} is not a table of settings: "
+                    f"set {PREFIX}{name} itself"
+                )
             continue
         meant = _MEANT.get(name)
         if meant is None:
