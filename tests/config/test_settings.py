@@ -228,7 +228,9 @@ def test_transaction_pooler_setting_reaches_the_engine(monkeypatch):
     [
         ("MAX_BODY_BYTES", "abc", "WEBHOOK_RECEIVER_MAX_BODY_BYTES must be an integer, got 'abc'"),
         ("WORKER_POLL_SECONDS", "soon", "WEBHOOK_RECEIVER_WORKER_POLL_SECONDS must be a number"),
-        ("PURGE_BATCH_SIZE", "0", "WEBHOOK_RECEIVER_PURGE_BATCH_SIZE must be at least 1"),
+        # Below the range as above it: the whole range is named.
+        ("PURGE_BATCH_SIZE", "0", "WEBHOOK_RECEIVER_PURGE_BATCH_SIZE must be from 1 to "),
+        ("ADMIN_SESSION_HOURS", "0", r"ADMIN_SESSION_HOURS must be from 0.01 to 8,760 \(1 year"),
     ],
 )
 def test_bad_numeric_settings_name_the_setting(monkeypatch, name, value, message):

@@ -298,13 +298,14 @@ def check_settings(config: dict[str, Any], environ: Mapping[str, str] | None = N
             raise ConfigError(
                 f"WEBHOOK_RECEIVER_{name} must be a finite number {allowed}, got {value!r}"
             )
-        if number < smallest:
-            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be at least {smallest}, got {value!r}")
-        if number > largest:
-            raise ConfigError(
-                f"WEBHOOK_RECEIVER_{name} must be from {smallest:g} to {int(largest):,} "
-                f"({why}), got {value!r}"
+        if number < smallest or number > largest:
+            # The whole range, whichever end was passed.
+            allowed = (
+                f"at least {smallest:g} ({why})"
+                if math.isinf(largest)
+                else f"from {smallest:g} to {int(largest):,} ({why})"
             )
+            raise ConfigError(f"WEBHOOK_RECEIVER_{name} must be {allowed}, got {value!r}")
         config[name] = number
 
 
