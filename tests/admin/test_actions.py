@@ -692,3 +692,40 @@ def test_an_event_with_thousands_of_conflicts_lists_the_newest_and_counts_them(
     assert f'href="/admin/conflicts/{newest}"' in page
     assert f"The newest {CONFLICTS_SHOWN} are shown" in page
     assert f'Conflicting deliveries <small class="muted">{total}</small>' in page
+
+
+def test_an_event_past_the_attempts_shown_says_only_the_newest_are_listed(
+    admin_app, admin, monkeypatch
+) -> None:
+    # The event page lists the newest attempts of all its deliveries; past
+    # that it cut the oldest without a word.
+    from webhook_receiver.admin import delivery_queries
+    from webhook_receiver.models import DeliveryAttempt
+
+    monkeypatch.setattr(delivery_queries, "ATTEMPTS_SHOWN", 5)
+    event_id = event(admin_app)
+    delivery_id = delivery(admin_app, event_id, state="dead", attempts=6)
+
+    def attempts(count: int) -> None:
+        with admin_app.app_context():
+            db.session.add_all(
+                DeliveryAttempt(
+                    delivery_id=delivery_id,
+                    number=n,
+                    started_at=NOW,
+                    ended_at=NOW,
+                    outcome="retry",
+                    latency_ms=1.0,
+                    status=503,
+                )
+                for n in range(1, count + 1)
+            )
+            db.session.commit()
+
+    attempts(4)
+    page = text(admin.get(f"/admin/events/{event_id}"))
+    assert page.count("data-attempt=") == 4 and 'id="attempts-cut"' not in page
+    attempts(2)
+    page = text(admin.get(f"/admin/events/{event_id}"))
+    assert page.count("data-attempt=") == 5
+    assert "Only the newest 5 attempts of this event" in page

@@ -62,9 +62,13 @@ def list_deliveries(
     )
 
 
+# The event page's attempts, of all its deliveries together: the newest ones.
+ATTEMPTS_SHOWN = 1000
+
+
 def attempts_of(delivery_ids: Sequence[int]) -> dict[int, list[Any]]:
-    """Each delivery's attempts, oldest first (the event page's panel)."""
-    return attempts.of_deliveries(delivery_ids)
+    """Each delivery's attempts, oldest first (the event page's panel); ATTEMPTS_SHOWN at most."""
+    return attempts.of_deliveries(delivery_ids, limit=ATTEMPTS_SHOWN)
 
 
 def list_replays(*, limit: int, before: Cursor | None = None, after: Cursor | None = None) -> Page:

@@ -259,6 +259,7 @@ def event(event_id: int) -> str:
         abort(404, "No such event.")
     now = utcnow()
     ev = detail.event
+    tried = delivery_queries.attempts_of([d.id for d in detail.deliveries])
     return render_template(
         "admin/event.html",
         detail=detail,
@@ -268,7 +269,10 @@ def event(event_id: int) -> str:
         meta=presenters.pretty_json(ev.meta) if ev.meta else "",
         idempotency_key=presenters.idempotency_key(ev.source, ev.meta),
         requeueable={d.id for d in detail.deliveries if queries.can_requeue(d, now)},
-        attempts=delivery_queries.attempts_of([d.id for d in detail.deliveries]),
+        attempts=tried,
+        # All shown, or only the newest: the page says which.
+        attempts_cut=sum(map(len, tried.values())) >= delivery_queries.ATTEMPTS_SHOWN,
+        attempts_shown=delivery_queries.ATTEMPTS_SHOWN,
         filtered_out=targets.filtered_out(
             ev.source, ev.event_type, ev.body, {d.consumer for d in detail.deliveries}
         ),
