@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -50,6 +53,29 @@ def sync_playwright():
     if not os.access(CHROMIUM, os.X_OK):
         unavailable(f"{CHROMIUM} is missing (apt-get install chromium)")
     return sync_playwright
+
+
+@contextmanager
+def admin_page(
+    sync_playwright, db_url: str, tmp_path: Path, *, width: int = 1280, height: int = 900
+) -> Iterator[tuple[Any, Any]]:
+    """gunicorn with the admin on (client acme), and a Chromium page at its login form."""
+    env = {"WEBHOOK_RECEIVER_ADMIN_PASSWORD": PASSWORD}
+    with gunicorn(db_url, CONFIG, tmp_path, env=env) as server, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(f"{server.url}/admin/login")
+            yield server, page
+        finally:
+            browser.close()
+
+
+def log_in(server, page) -> None:
+    """Log the page in with the form, and wait for the overview."""
+    page.fill("#password", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{server.url}/admin/")
 
 
 def session_cookie_paths(page) -> list[str]:

@@ -13,17 +13,11 @@ import pytest
 from webhook_receiver.extensions import db
 from webhook_receiver.models import IdempotencyRecord
 
-from ..conftest import ACME_TOKEN
-from ..servers import gunicorn
 from .conftest import PASSWORD, idempotency_record
-from .test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, sync_playwright  # noqa: F401
+from .test_browser import ARTIFACTS, admin_page, log_in, sync_playwright  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CONFIG = f"""
-[clients.acme]
-token = "{ACME_TOKEN}"
-"""
 KEY = "order-" + "0123456789abcdef" * 15 + "-attempt7"  # 255 characters, the most a key has
 PATH = "/api/events?" + "&".join(f"tag{n}=value{n}" for n in range(60)) + "&end=here"
 
@@ -50,22 +44,13 @@ def test_a_long_key_and_path_are_shown_whole(
         db.session.commit()
     engine = request.node.callspec.params["db_url"]
     ARTIFACTS.mkdir(exist_ok=True)
-    env = {"WEBHOOK_RECEIVER_ADMIN_PASSWORD": PASSWORD}
-    with gunicorn(db_url, CONFIG, tmp_path, env=env) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{server.url}/admin/login")
-            page.fill("#password", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{server.url}/admin/")
-            page.goto(f"{server.url}/admin/idempotency")
-            cells = page.locator(f"tr[data-record-id='{record_id}'] td")
-            key, request_cell = cells.nth(1), cells.nth(3)
-            page.screenshot(path=str(ARTIFACTS / f"admin-long-key-{engine}.png"), full_page=True)
-            assert key.inner_text().replace("\n", "") == KEY
-            assert _cut(key) == 0
-            assert request_cell.inner_text().replace("\n", "") == f"POST {PATH}"
-            assert _cut(request_cell) == 0
-        finally:
-            browser.close()
+    with admin_page(sync_playwright, db_url, tmp_path) as (server, page):
+        log_in(server, page)
+        page.goto(f"{server.url}/admin/idempotency")
+        cells = page.locator(f"tr[data-record-id='{record_id}'] td")
+        key, request_cell = cells.nth(1), cells.nth(3)
+        page.screenshot(path=str(ARTIFACTS / f"admin-long-key-{engine}.png"), full_page=True)
+        assert key.inner_text().replace("\n", "") == KEY
+        assert _cut(key) == 0
+        assert request_cell.inner_text().replace("\n", "") == f"POST {PATH}"
+        assert _cut(request_cell) == 0

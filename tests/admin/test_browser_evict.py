@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ACME_TOKEN
-from ..servers import gunicorn
 from .conftest import PASSWORD, idempotency_record
-from .test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, sync_playwright  # noqa: F401
+from .test_browser import ARTIFACTS, admin_page, log_in, sync_playwright  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-CONFIG = f"""
-[clients.acme]
-token = "{ACME_TOKEN}"
-"""
 
 
 def test_a_key_is_evicted_only_once_confirmed(
@@ -34,40 +27,31 @@ def test_a_key_is_evicted_only_once_confirmed(
     record_id = idempotency_record(app, key="order-42")
     engine = request.node.callspec.params["db_url"]
     ARTIFACTS.mkdir(exist_ok=True)
-    env = {"WEBHOOK_RECEIVER_ADMIN_PASSWORD": PASSWORD}
-    with gunicorn(db_url, CONFIG, tmp_path, env=env) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{server.url}/admin/login")
-            page.fill("#password", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{server.url}/admin/")
-            page.goto(f"{server.url}/admin/idempotency")
-            row = page.locator(f"tr[data-record-id='{record_id}']")
+    with admin_page(sync_playwright, db_url, tmp_path) as (server, page):
+        log_in(server, page)
+        page.goto(f"{server.url}/admin/idempotency")
+        row = page.locator(f"tr[data-record-id='{record_id}']")
 
-            # One click on what the row offers: the key is still there.
-            row.get_by_text("Evict").first.click()
-            page.wait_for_timeout(300)
-            page.goto(f"{server.url}/admin/idempotency")
-            assert row.count() == 1
-            assert page.locator(".flash").count() == 0
+        # One click on what the row offers: the key is still there.
+        row.get_by_text("Evict").first.click()
+        page.wait_for_timeout(300)
+        page.goto(f"{server.url}/admin/idempotency")
+        assert row.count() == 1
+        assert page.locator(".flash").count() == 0
 
-            # Nor is it evicted without the confirmation ticked.
-            row.get_by_text("Evict").first.click()
-            row.get_by_role("button", name="Evict").click()
-            page.wait_for_timeout(300)
-            page.goto(f"{server.url}/admin/idempotency")
-            assert row.count() == 1
+        # Nor is it evicted without the confirmation ticked.
+        row.get_by_text("Evict").first.click()
+        row.get_by_role("button", name="Evict").click()
+        page.wait_for_timeout(300)
+        page.goto(f"{server.url}/admin/idempotency")
+        assert row.count() == 1
 
-            # Confirmed: it goes, and the page says so.
-            row.get_by_text("Evict").first.click()
-            row.get_by_label("Its next request runs afresh").check()
-            page.screenshot(path=str(ARTIFACTS / f"admin-evict-confirm-{engine}.png"))
-            row.get_by_role("button", name="Evict").click()
-            page.wait_for_url(f"{server.url}/admin/idempotency")
-            assert page.locator(".flash-success").inner_text().startswith("Evicted the key")
-            assert row.count() == 0
-            page.screenshot(path=str(ARTIFACTS / f"admin-evicted-{engine}.png"), full_page=True)
-        finally:
-            browser.close()
+        # Confirmed: it goes, and the page says so.
+        row.get_by_text("Evict").first.click()
+        row.get_by_label("Its next request runs afresh").check()
+        page.screenshot(path=str(ARTIFACTS / f"admin-evict-confirm-{engine}.png"))
+        row.get_by_role("button", name="Evict").click()
+        page.wait_for_url(f"{server.url}/admin/idempotency")
+        assert page.locator(".flash-success").inner_text().startswith("Evicted the key")
+        assert row.count() == 0
+        page.screenshot(path=str(ARTIFACTS / f"admin-evicted-{engine}.png"), full_page=True)

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ACME_TOKEN
-from ..servers import gunicorn
 from .conftest import PASSWORD, delivery, event
-from .test_browser import CHROMIUM, CHROMIUM_ARGS, sync_playwright  # noqa: F401
+from .test_browser import admin_page, sync_playwright  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CONFIG = f"""
-[clients.acme]
-token = "{ACME_TOKEN}"
-"""
 FOCUSED = "document.activeElement.textContent.trim()"
 
 
@@ -33,24 +27,17 @@ def test_the_first_tab_skips_to_the_page_content(
 ):
     app = make_app(ADMIN_PASSWORD=PASSWORD)
     delivery(app, event(app), state="dead", attempts=8)
-    env = {"WEBHOOK_RECEIVER_ADMIN_PASSWORD": PASSWORD}
-    with gunicorn(db_url, CONFIG, tmp_path, env=env) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{server.url}/admin/login")
-            page.fill("#password", PASSWORD)
-            page.keyboard.press("Enter")
-            page.wait_for_url(f"{server.url}/admin/")
-            page.goto(f"{server.url}/admin/dead")
-            page.keyboard.press("Tab")
-            assert page.evaluate(FOCUSED) == "Skip to content"
-            # Shown when focused: a sighted keyboard user sees where the key goes.
-            box = page.locator(":focus").bounding_box()
-            assert box and box["width"] > 20 and box["x"] >= 0 and box["y"] >= 0
-            page.keyboard.press("Enter")
-            page.keyboard.press("Tab")
-            # The first control of the page itself: the consumer filter.
-            assert page.evaluate("document.activeElement.name") == "consumer"
-        finally:
-            browser.close()
+    with admin_page(sync_playwright, db_url, tmp_path) as (server, page):
+        page.fill("#password", PASSWORD)
+        page.keyboard.press("Enter")
+        page.wait_for_url(f"{server.url}/admin/")
+        page.goto(f"{server.url}/admin/dead")
+        page.keyboard.press("Tab")
+        assert page.evaluate(FOCUSED) == "Skip to content"
+        # Shown when focused: a sighted keyboard user sees where the key goes.
+        box = page.locator(":focus").bounding_box()
+        assert box and box["width"] > 20 and box["x"] >= 0 and box["y"] >= 0
+        page.keyboard.press("Enter")
+        page.keyboard.press("Tab")
+        # The first control of the page itself: the consumer filter.
+        assert page.evaluate("document.activeElement.name") == "consumer"

@@ -10,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ACME_TOKEN
-from ..servers import gunicorn
 from .conftest import PASSWORD, conflict, delivery, event, idempotency_record, rejection
-from .test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, sync_playwright  # noqa: F401
+from .test_browser import ARTIFACTS, admin_page, log_in, sync_playwright  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CONFIG = f"""
-[clients.acme]
-token = "{ACME_TOKEN}"
-"""
 LONG_KEY = "evt_" + "x" * 500  # the longest a dedup key may be, unbroken
 PAGES = [
     "/admin/",
@@ -59,24 +53,15 @@ def test_no_page_scrolls_sideways_at_400_percent_zoom(
 
     engine = request.node.callspec.params["db_url"]
     ARTIFACTS.mkdir(exist_ok=True)
-    env = {"WEBHOOK_RECEIVER_ADMIN_PASSWORD": PASSWORD}
-    with gunicorn(db_url, CONFIG, tmp_path, env=env) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 320, "height": 640})
-            page.goto(f"{server.url}/admin/login")
-            assert _page_overflow(page) == 0
-            page.fill("#password", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{server.url}/admin/")
-            wide = {}
-            for path in pages:
-                page.goto(server.url + path)
-                name = path.strip("/").replace("/", "-")
-                page.screenshot(path=str(ARTIFACTS / f"narrow-{name}-{engine}.png"), full_page=True)
-                overflow = _page_overflow(page)
-                if overflow:
-                    wide[path] = overflow
-            assert wide == {}
-        finally:
-            browser.close()
+    with admin_page(sync_playwright, db_url, tmp_path, width=320, height=640) as (server, page):
+        assert _page_overflow(page) == 0
+        log_in(server, page)
+        wide = {}
+        for path in pages:
+            page.goto(server.url + path)
+            name = path.strip("/").replace("/", "-")
+            page.screenshot(path=str(ARTIFACTS / f"narrow-{name}-{engine}.png"), full_page=True)
+            overflow = _page_overflow(page)
+            if overflow:
+                wide[path] = overflow
+        assert wide == {}
