@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from flask import Flask
 
@@ -26,3 +31,19 @@ def dispose(app: Flask) -> None:
     with app.app_context():
         db.session.remove()
         db.engine.dispose()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flask_consume_list(**env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``flask consume --list`` in the checkout, its WEBHOOK_RECEIVER_* environment ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WEBHOOK_RECEIVER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "wsgi", "consume", "--list"],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

@@ -7,17 +7,12 @@ nobody read, and the default ran without a word.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from webhook_receiver import create_app
 from webhook_receiver.config import DEFAULTS, ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import flask_consume_list
 
 
 def _start() -> None:
@@ -72,19 +67,9 @@ def test_every_setting_and_flask_setting_is_still_taken(monkeypatch, tmp_path):
 
 
 def test_the_flask_cli_says_a_misspelled_variable_in_one_line(tmp_path):
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("WEBHOOK_RECEIVER_")},
-        "WEBHOOK_RECEIVER_WORKER_THREAD": "8",
-        "WEBHOOK_RECEIVER_CONFIG": str(tmp_path / "none.toml"),
-    }
     (tmp_path / "none.toml").write_text("")
-    done = subprocess.run(
-        [sys.executable, "-m", "flask", "--app", "wsgi", "consume", "--list"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = flask_consume_list(
+        WEBHOOK_RECEIVER_WORKER_THREAD="8", WEBHOOK_RECEIVER_CONFIG=str(tmp_path / "none.toml")
     )
     assert done.returncode != 0
     assert (

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -19,9 +15,7 @@ from webhook_receiver.idempotency.persistence import records
 from webhook_receiver.models import EventDuplicate, IdempotencyRecord, utcnow
 
 from ..conftest import bearer
-from .conftest import build, dispose
-
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import build, dispose, flask_consume_list
 
 # -- DATABASE_URL -------------------------------------------------------------
 
@@ -72,18 +66,7 @@ def test_a_database_url_the_receiver_cannot_use_is_a_config_error_without_its_pa
 def test_the_flask_cli_says_a_database_url_it_cannot_use_in_one_line(tmp_path):
     # Before, SQLAlchemy's ArgumentError (or NoSuchModuleError) ended the app
     # factory with a traceback, which the flask CLI showed as "No such command".
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("WEBHOOK_RECEIVER_")},
-        "DATABASE_URL": "mysql://u:hunter2@db.example/app",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "flask", "--app", "wsgi", "consume", "--list"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = flask_consume_list(DATABASE_URL="mysql://u:hunter2@db.example/app")
     assert done.returncode != 0
     assert "Error: DATABASE_URL" in done.stderr
     assert "Traceback" not in done.stderr and "hunter2" not in done.stderr + done.stdout
