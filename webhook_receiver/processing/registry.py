@@ -136,7 +136,15 @@ def build(file_config: FileConfig) -> Registry:
     for source, forwards in file_config.forwards.items():
         for forward in forwards:
             registry.add(Consumer(source, forward.name, FORWARD, forward=forward))
+    sources = {*file_config.sources, *file_config.brokers}
+    sources.update(f"api:{client}" for client in file_config.clients)
     for spec in handlers_mod.load(file_config.handlers):
+        if spec.source not in sources:
+            # Else it was registered and never called: no event of that source comes.
+            raise ConfigError(
+                f"handlers: handler {spec.name!r} of {spec.func.__module__} is for "
+                f"no source {spec.source!r} (the config has {', '.join(sorted(sources))})"
+            )
         registry.add(Consumer(spec.source, spec.name, HANDLER, handler=spec))
     return registry
 
