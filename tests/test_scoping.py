@@ -261,3 +261,27 @@ def test_the_downstream_key_differs_per_consumer_and_per_source(
     assert sorted(keys) == ["billing:shop-eu:evt-1", "billing:shop:evt-1", "crm:shop:evt-1"]
     # An idempotent downstream applied all three.
     assert len(downstream.applied) == 3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="processing/forwarding.py joins consumer, source and dedup key with ':', which a "
+    "source name and a dedup key may both hold: two events send one downstream key",
+)
+def test_the_downstream_key_differs_for_sources_and_keys_that_hold_colons(
+    make_app, downstream, clock, make_worker
+):
+    # Sources "shop" and "shop:eu" (a legal name), each forwarding to one
+    # downstream as "billing": shop's "eu:1" and shop:eu's "1" are two events.
+    config = config_with([forward("billing", downstream.url + "/in")])
+    other = dict(config["sources"]["shop"])
+    other["forward"] = [forward("billing", downstream.url + "/in")]
+    config["sources"]["shop:eu"] = other
+    app = make_app(config, **FAST)
+    store_event(app, clock, dedup_key="eu:1", source="shop")
+    store_event(app, clock, dedup_key="1", source="shop:eu")
+    assert drain(app, make_worker(app, clock)) == ["delivered"] * 2
+    keys = [call.headers["Idempotency-Key"] for call in downstream.calls_to("/in")]
+    # Both were sent as billing:shop:eu:1: the idempotent downstream applied one.
+    assert len(set(keys)) == 2
+    assert len(downstream.applied) == 2
