@@ -57,3 +57,12 @@ def slow(event: Any, session: Any) -> None:
 @handler(source="api:acme", name="from_acme")
 def from_acme(event: Any, session: Any) -> None:
     pass
+
+
+@handler(source="shop", event_type="order.savepoint", name="savepoint")
+def uses_a_savepoint(event: Any, session: Any) -> None:
+    with session.begin_nested():
+        session.execute(ledger.insert().values(event_id=event.id, consumer="savepoint"))
+    nested = session.begin_nested()
+    session.execute(ledger.insert().values(event_id=event.id, consumer="undone"))
+    nested.rollback()

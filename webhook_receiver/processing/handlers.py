@@ -8,7 +8,9 @@ consumers without any global state.
 
 A handler is called as ``func(event, session)`` inside the transaction that
 also marks its delivery done: its writes and the done-marker commit together
-or not at all. It must not commit or roll back the session itself. Raising
+or not at all. It must not commit or roll back the session itself: its
+commit raises, and a rollback of its own fails the attempt (a savepoint,
+``session.begin_nested()``, is its to commit or roll back). Raising
 retries the delivery later with backoff (so does a statement of its own
 cancelled by the statement or lock timeout, or its transaction left idle
 past PostgreSQL's idle_in_transaction_session_timeout); raising
@@ -17,10 +19,14 @@ past PostgreSQL's idle_in_transaction_session_timeout); raising
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import event as sa_event
+from sqlalchemy.orm import Session, scoped_session
 
 from ..config import CONSUMER_NAME, ConfigError
 from ..config.filters import Filter, parse_filter
@@ -28,6 +34,12 @@ from ..config.filters import Filter, parse_filter
 ATTRIBUTE = "__webhook_handlers__"
 
 HandlerFunc = Callable[[Any, Any], None]
+# In a session's ``info`` while a handler runs on it.
+_RUNNING = "webhook_receiver.handler_running"
+ENDED_ITSELF = (
+    "a handler must not commit or roll back the session: its writes commit with "
+    "its delivery's done-marker, or not at all"
+)
 
 
 class PermanentFailure(Exception):
@@ -49,6 +61,34 @@ class HandlerSpec:
     def matches(self, source: str, event_type: str | None) -> bool:
         """Tell whether this handler consumes events of this source and type."""
         return self.source == source and self.event_type in (None, event_type)
+
+
+@sa_event.listens_for(Session, "before_commit")
+def _refuse_a_handler_s_commit(session: Session) -> None:
+    # Its writes would commit without the done-marker: a failure after the
+    # commit retried the delivery, writing them again. A savepoint's is its own.
+    if session.info.get(_RUNNING) and not session.in_nested_transaction():
+        raise RuntimeError(ENDED_ITSELF)
+
+
+def _guarded(func: HandlerFunc) -> HandlerFunc:
+    """``func``, refused its session's commit, and failed if it rolled the session back."""
+
+    @functools.wraps(func)
+    def run(event: Any, session: Any) -> None:
+        current = session() if isinstance(session, scoped_session) else session
+        transaction = current.get_transaction()
+        current.info[_RUNNING] = True
+        try:
+            func(event, session)
+        finally:
+            current.info.pop(_RUNNING, None)
+        if transaction is not None and current.get_transaction() is not transaction:
+            # A rollback (or close) undid the delivery's lock, and its entity's
+            # version on an ordered source: what follows commits without them.
+            raise RuntimeError(ENDED_ITSELF)
+
+    return run
 
 
 def handler(
@@ -76,7 +116,7 @@ def handler(
             source=source,
             event_type=event_type,
             name=name or func.__name__,
-            func=func,
+            func=_guarded(func),
             max_attempts=max_attempts,
             filter=None
             if filter is None
