@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from webhook_receiver.processing import handler
+
 from . import misuse_handlers
 from .conftest import FAST, config_with, delivery, drain, store_event
 
@@ -84,3 +86,21 @@ def test_a_handler_that_outlasts_its_lease_is_delivered_once(make_app, clock, ma
     assert drain(app, make_worker(app, clock)) == ["delivered"]
     assert ledger(app) == [(event_id, "slow")]
     assert delivery(app, event_id, "slow")["attempts"] == 1
+
+
+def test_a_coroutine_function_is_refused_as_a_handler():
+    # Called, it returned a coroutine that nothing awaited: delivered, never run.
+    async def record(event, session):
+        pass
+
+    with pytest.raises(ValueError, match="handler 'record' is a coroutine function"):
+        handler(source="shop")(record)
+
+
+def test_a_generator_function_is_refused_as_a_handler():
+    # Called, it returned a generator: delivered, none of its body run.
+    def record(event, session):
+        yield session
+
+    with pytest.raises(ValueError, match="handler 'record' is a generator function"):
+        handler(source="shop")(record)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,17 @@ def handler(
         raise ValueError(f"handler max_attempts must be a positive integer, not {max_attempts!r}")
 
     def decorate(func: HandlerFunc) -> HandlerFunc:
+        # Called, either returns at once with none of its body run: delivered, never done.
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise ValueError(
+                f"handler {name or func.__name__!r} is a coroutine function (async def): "
+                "the worker calls a handler and does not await it; make it a plain def"
+            )
+        if inspect.isgeneratorfunction(func):
+            raise ValueError(
+                f"handler {name or func.__name__!r} is a generator function: "
+                "calling it runs none of its body; do not yield in a handler"
+            )
         spec = HandlerSpec(
             source=source,
             event_type=event_type,
