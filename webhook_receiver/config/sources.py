@@ -76,12 +76,14 @@ def check_source_name(name: str, where: str) -> None:
         not name.strip()
         or "/" in name
         or name.startswith("api:")
-        or name in (".", "..")
+        # An API client's events are api:<client>: a source "api" would share
+        # their downstream keys (processing/stable_keys.py).
+        or name in (".", "..", "api")
         or any(unicodedata.category(c) == "Cc" for c in name)
     ):
         raise ConfigError(
             f"{where} is not a usable source name (not blank, '.' or '..', "
-            "no '/' or control character, not starting 'api:')"
+            "no '/' or control character, not 'api' nor starting 'api:')"
         )
 
 

@@ -1,10 +1,10 @@
 """HTTP forwarding: one attempt of sending a stored event to a downstream URL.
 
 The body and content type are the event's own. ``Idempotency-Key`` is
-``<consumer>:<source>:<dedup key>``: the same on every attempt and after a
-requeue, so the downstream can apply each event once however often it gets
-it. ``X-Request-Id`` carries the event's correlation id (and ``traceparent``
-its trace id, when the id is one).
+the stable key ``<consumer>:<source>:<dedup key>`` (stable_keys.py): the
+same on every attempt and after a requeue, so the downstream can apply each
+event once however often it gets it. ``X-Request-Id`` carries the event's
+correlation id (and ``traceparent`` its trace id, when the id is one).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import base64
 import hashlib
 import hmac
 import logging
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import quote, urlsplit
@@ -26,6 +25,7 @@ from .. import tracing
 from ..config import ForwardConfig
 from . import attempts, deadline, publishers
 from .backoff import is_retryable_status
+from .stable_keys import HEADER_SAFE, idempotency_key
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ USER_AGENT = "webhook-receiver/0.1"
 # Read at most this much of an answer: enough for an error message, and
 # reading it lets the connection be reused.
 MAX_BODY_READ = 64 * 1024
-_HEADER_SAFE = re.compile(r"^[\x21-\x7e]+$")
 
 
 @dataclass(frozen=True)
@@ -70,17 +69,6 @@ class Result:
     confirmation: str | None = None
 
 
-def idempotency_key(consumer: str, source: str, dedup_key: str, replay: int = 0) -> str:
-    """The Idempotency-Key sent downstream, stable across attempts and requeues.
-
-    A replay asked for with a new key (``replay`` n > 0) appends ``:replay-<n>``.
-    """
-    key = f"{consumer}:{source}:{dedup_key}" + (f":replay-{replay}" if replay else "")
-    # A header value must be printable ASCII; a dedup key taken from a JSON
-    # body may be anything, so anything else is percent-encoded.
-    return key if _HEADER_SAFE.match(key) else quote(key, safe="")
-
-
 def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
     """The request headers of a forward."""
     correlation_id = out.correlation_id or f"event-{out.event_id}"
@@ -92,7 +80,7 @@ def headers_for(consumer: str, out: Outgoing) -> dict[str, str]:
         "X-Webhook-Event-Id": str(out.event_id),
         "User-Agent": USER_AGENT,
     }
-    if out.event_type and _HEADER_SAFE.match(out.event_type):
+    if out.event_type and HEADER_SAFE.match(out.event_type):
         headers["X-Webhook-Event-Type"] = out.event_type
     tracing.outgoing(headers, out.traceparent, correlation_id, out.tracestate)
     return headers

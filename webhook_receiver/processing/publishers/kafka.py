@@ -30,11 +30,11 @@ import logging
 import threading
 import time
 from typing import Any
-from urllib.parse import unquote
 
 import confluent_kafka
 
 from ...config import ForwardConfig
+from ..stable_keys import dedup_key_of
 from .base import BrokerMessage, PublishError, PublishRefused
 
 log = logging.getLogger(__name__)
@@ -161,13 +161,8 @@ def _kafka_key(forward: ForwardConfig, message: BrokerMessage) -> bytes | None:
     """The record's key: the event's dedup key (the end of its stable key) or its type."""
     if forward.key == "{event_type}":
         return message.event_type.encode("utf-8") if message.event_type else None
-    # The message id is "<consumer>:<source>:<dedup key>", percent-encoded
-    # whole (no ":" left) when it was not printable ASCII.
-    stable = message.message_id
-    if ":" not in stable:
-        stable = unquote(stable)
-    prefix = f"{forward.name}:{message.headers.get('X-Webhook-Source', '')}:"
-    return stable.removeprefix(prefix).encode("utf-8")
+    source = message.headers.get("X-Webhook-Source", "")
+    return dedup_key_of(message.message_id, forward.name, source).encode("utf-8")
 
 
 def _kafka_error(exc: confluent_kafka.KafkaException) -> confluent_kafka.KafkaError:
