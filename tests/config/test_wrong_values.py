@@ -381,3 +381,11 @@ def test_a_handler_name_that_is_no_module_path_is_refused_at_load(tmp_path, name
 def test_a_dotted_handler_module_path_is_still_taken():
     config = parse({"handlers": ["myapp.handlers", "_private2.x"]}, providers=PROVIDERS)
     assert config.handlers == ("myapp.handlers", "_private2.x")
+
+
+def test_a_handler_module_listed_twice_is_refused_naming_it():
+    # Each of its handlers was collected twice, and the start said a source
+    # "has two consumers named 'ledger'", not which module repeated.
+    with pytest.raises(ConfigError) as info:
+        parse({"handlers": ["myapp.handlers", "other", "myapp.handlers"]}, providers=PROVIDERS)
+    assert "handlers lists 'myapp.handlers' twice" in str(info.value)

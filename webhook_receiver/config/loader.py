@@ -159,13 +159,17 @@ def parse(raw: dict[str, Any], path: str = "<config>", *, providers: Collection[
     handlers = raw.get("handlers", [])
     if not isinstance(handlers, list) or not all(isinstance(h, str) for h in handlers):
         raise ConfigError(f"{path}: handlers must be a list of module names")
-    for handler in handlers:
+    for n, handler in enumerate(handlers):
         # "" or "my app.x" passed here and failed only when imported.
         if not all(part.isidentifier() for part in handler.split(".")):
             raise ConfigError(
                 f"{path}: handlers must be a list of Python module paths (myapp.handlers), "
                 f"got {handler!r}"
             )
+        # Listed twice, each handler was collected twice, and the start said
+        # a source had two consumers of one name, not which module repeated.
+        if handler in handlers[:n]:
+            raise ConfigError(f"{path}: handlers lists {handler!r} twice")
     return FileConfig(
         path=path,
         clients=clients,
