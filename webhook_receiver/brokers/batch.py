@@ -81,6 +81,8 @@ class Prepared(NamedTuple):
     # Per message received: None for the next of ``messages``, or the verdict of
     # one that cannot be stored (dead-lettered with its reason).
     verdicts: list[Verdict | None]
+    # ``messages`` staged for the inbox (inbox.stage), when built ahead.
+    staged: inbox.Staged | None = None
 
 
 Raw = TypeVar("Raw")
@@ -126,7 +128,7 @@ def store(
     transaction of their own (whether the last one was stored or
     dead-lettered), once.
     """
-    messages, verdicts = prepared
+    messages, verdicts = prepared.messages, prepared.verdicts
     compare = content_fingerprint(source)
     outcomes: Sequence[Outcome | Verdict]
     try:
@@ -141,6 +143,7 @@ def store(
                 content_fingerprint=compare,
                 positions=positions,
                 counts_in_transaction=True,
+                staged=prepared.staged,
             )
     except Exception as exc:
         raise_if_unavailable(exc)
@@ -276,6 +279,26 @@ class Consumer:
     def session(self) -> None:
         """Connect, then fetch, store and settle batches until stopped (each adapter's own)."""
         raise NotImplementedError
+
+    def prepare_batch(
+        self, raws: Sequence[Any], to_message: Callable[[Any], BrokerMessage]
+    ) -> Prepared:
+        """Identify a batch (``prepare``) and stage its rows for the inbox: CPU only.
+
+        What a reading thread does while the batch before is stored: the
+        storing thread is then left only the statement to send and wait on.
+        """
+        prepared = self.prepare(self.source, raws, to_message)
+        if not prepared.messages or prepared.staged is not None:
+            return prepared
+        with self.app.app_context():
+            try:
+                staged = inbox.stage(prepared.messages)
+            except Exception:
+                # Stored as it is: the storing thread builds the rows again,
+                # where a message they refuse is found and dead-lettered alone.
+                return prepared
+        return prepared._replace(staged=staged)
 
     def store_prepared(self, prepared: Prepared) -> list[Verdict]:
         """Store a prepared batch in the app's context: what a storing thread runs."""

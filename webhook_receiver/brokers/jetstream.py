@@ -435,7 +435,7 @@ class JetStreamConsumer(batch.Consumer):
         self.settled += len(messages) - retried
 
     def _store(self, raws: list[_Raw]) -> list[batch.Verdict]:
-        return self.store_prepared(self.prepare(self.source, raws, self._broker_message))
+        return self.store_prepared(self.prepare_batch(raws, self._broker_message))
 
     async def _dead_letter(
         self, js: Any, message: Any, verdict: batch.Verdict, max_payload: int

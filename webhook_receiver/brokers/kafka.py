@@ -273,7 +273,7 @@ class KafkaConsumer(batch.Consumer):
             if self.broker.since is not None:
                 self._probe_broker(consumer, bool(records))
             # Identified here while the batch before is stored (CPU beside I/O).
-            prepared = self.prepare(self.source, records, self._broker_message) if records else None
+            prepared = self.prepare_batch(records, self._broker_message) if records else None
             if self._inflight is not None and not self._settle_inflight(records):
                 continue  # the database was away: those records were dropped too
             if prepared is not None:
@@ -465,7 +465,7 @@ class KafkaConsumer(batch.Consumer):
         if records:
             # Settled by the loop's next turn: stored, the partitions resume;
             # the database still away, held again for a longer back-off.
-            self._submit(records, self.prepare(self.source, records, self._broker_message))
+            self._submit(records, self.prepare_batch(records, self._broker_message))
         else:
             self._paused = False  # their partitions were all revoked meanwhile
             consumer.resume(self._topic_partitions(self._assigned))

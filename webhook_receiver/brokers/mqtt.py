@@ -271,7 +271,7 @@ class MqttConsumer(batch.Consumer):
                         self._settle(client, session, *inflight)
 
     def _store(self, messages: list[Any]) -> list[batch.Verdict]:
-        return self.store_prepared(self.prepare(self.source, messages, self._broker_message))
+        return self.store_prepared(self.prepare_batch(messages, self._broker_message))
 
     def _settle(
         self, client: Any, session: _Session, taken: list[Any], future: Future[list[batch.Verdict]]

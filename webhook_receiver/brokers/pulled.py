@@ -70,7 +70,7 @@ class PulledConsumer(batch.Consumer):
                     ticket = leases.hold(raws, since)
                     # Identified here (CPU) while the batches before are
                     # stored and settled.
-                    prepared = self.prepare(self.source, raws, read)
+                    prepared = self.prepare_batch(raws, read)
                     while len(settling) >= IN_FLIGHT:
                         settling.popleft().result()
                     stored = storer.submit(self.store_prepared, prepared)

@@ -192,7 +192,7 @@ class RabbitConsumer(batch.Consumer):
                     taken = pending[: self.source.batch]
                     del pending[: self.source.batch]
                     first_at = time.monotonic() if pending else None
-                    ready = (taken, self.prepare(self.source, taken, _reader_of(self.source)))
+                    ready = (taken, self.prepare_batch(taken, _reader_of(self.source)))
                     continue
                 # A stored batch wakes this wait (see _submit). With a batch
                 # prepared, nothing more is taken until then: a timeout

@@ -181,7 +181,7 @@ class RedisStreamConsumer(batch.Consumer):
                 while not self.stop.is_set():
                     entries = self._next(client, wait=inflight is None)
                     # Identified here, while the batch before is stored.
-                    prepared = self.prepare(self.source, entries, self._broker_message)
+                    prepared = self.prepare_batch(entries, self._broker_message)
                     if inflight is not None:
                         stored = self._settle(client, *inflight, arrived=entries)
                         inflight = None

@@ -9,7 +9,8 @@ the redeliveries' bookkeeping.
 - :func:`receive` stores one message, committed before it returns.
 - :func:`receive_many` stores a batch in one transaction (the broker
   consumers' unit of work), one outcome per message, with the
-  :class:`Position` each partition reads on from (:func:`stored_positions`).
+  :class:`Position` each partition reads on from (:func:`stored_positions`);
+  :func:`stage` builds its rows ahead, where a consumer has the time.
 - :func:`add` writes a new event inside the caller's transaction, for an
   intake whose unit of work holds more than the event; inside
   :func:`holding` (PostgreSQL) it holds the event back instead, for the
@@ -25,7 +26,7 @@ from flask import Flask
 from sqlalchemy.orm import Session
 
 from . import duplicates
-from .batch import receive_many, stored_positions
+from .batch import Staged, receive_many, stage, stored_positions
 from .batch_writes import ContentFingerprint
 from .held import GuardedReceipt, HeldEvent, ReservedIdTaken, holding, init_held, write_held
 from .in_transaction import add
@@ -45,11 +46,13 @@ __all__ = [
     "GuardedReceipt",
     "HeldEvent",
     "ReservedIdTaken",
+    "Staged",
     "add",
     "holding",
     "init_app",
     "receive",
     "receive_many",
+    "stage",
     "stored_positions",
     "write_held",
 ]

@@ -36,6 +36,8 @@ class Batch(NamedTuple):
     # Whether its redeliveries' counts are written with it (receive_many's
     # counts_in_transaction), rather than by the ledger.
     counts: bool
+    # PostgreSQL's statement's documents, built ahead (inbox.batch.stage).
+    rows: dict[str, str] | None = None
 
     def firsts(self) -> list[Message]:
         """Each key's first message, in ``first``'s order."""
@@ -173,7 +175,11 @@ def write_postgresql(
     messages, first = batch.messages, batch.first
     new_ids: dict[tuple[str, str], int] = {}
     stored: dict[tuple[str, str], EventUnderKey] = {}
-    text, params = sql.sql, sql.params(batch.firsts(), batch.now, current_routes())
+    text = sql.sql
+    if batch.rows is not None:
+        params: dict[str, Any] = dict(batch.rows)
+    else:
+        params = sql.params(batch.firsts(), batch.now, current_routes())
     if ridden is not None and (batch.positions or batch.counts):
         text = ridden.sql
         params.update(ridden.params(messages, first, batch.positions, batch.counts, batch.now))
