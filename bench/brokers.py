@@ -214,7 +214,7 @@ def consume(app: Any, count: int, *, bare: bool, timeout: float = 600) -> float:
     thread = threading.Thread(target=consumer.run)
     # As ``flask consume`` runs its consumers (runner.run).
     provider = app.config["FILE_CONFIG"].brokers[SOURCE].provider
-    with runner.quick_handover(), cpu_meter.metered(provider):
+    with runner.consuming(), cpu_meter.metered(provider):
         started = time.perf_counter()
         thread.start()
         deadline = started + timeout

@@ -8,7 +8,8 @@ read from its start by one consumer group per run:
 - ``floor``: the least a storing consumer can do, straight on the drivers:
   confluent-kafka's consume(), one multi-row ``INSERT ... ON CONFLICT DO
   NOTHING`` of the keys and bodies per batch and its commit (psycopg or
-  sqlite3), then an asynchronous commit to Kafka;
+  sqlite3), then an asynchronous commit to Kafka; in the process settings
+  of the consumers (runner.consuming);
 - ``unique``: the consumer storing every record with its offsets in the
   batch's transaction (offsets = "inbox");
 - ``redeliveries``: a second stored group over the same records, every one a
@@ -128,7 +129,7 @@ def _consume(app: Any, count: int, bare: tuple[Any, Any] | None) -> float:
         consumer.prepare, consumer.store = bare
     thread = threading.Thread(target=consumer.run)
     # As ``flask consume`` runs its consumers (runner.run).
-    with runner.quick_handover(), metered("kafka"):
+    with runner.consuming(), metered("kafka"):
         thread.start()
         deadline = time.perf_counter() + TIMEOUT_SECONDS
         while not consumer._joined and time.perf_counter() < deadline:
@@ -147,6 +148,8 @@ def _consume(app: Any, count: int, bare: tuple[Any, Any] | None) -> float:
 def _floor(servers: str, topic: str, group: str, db_url: str, n: int, size: int) -> float:
     """The bare storing loop: consume, one multi-row INSERT and its commit, commit to Kafka."""
     from confluent_kafka import Consumer
+
+    from webhook_receiver.brokers import runner
 
     joined = threading.Event()
 
@@ -167,7 +170,8 @@ def _floor(servers: str, topic: str, group: str, db_url: str, n: int, size: int)
     insert, conn = _driver(db_url)
     consumer.subscribe([topic], on_assign=on_assign)
     try:
-        with metered("kafka"):
+        # In the same process settings as the consumers it is compared with.
+        with runner.consuming(), metered("kafka"):
             elapsed, stored = _store_all(consumer, joined, insert, conn, n, size)
     finally:
         consumer.close()

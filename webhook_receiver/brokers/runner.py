@@ -11,6 +11,7 @@ sources go on.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import signal
 import sys
@@ -43,6 +44,15 @@ HEALTHY_SECONDS = 60.0
 # thread's Python to reach that switch: with 0.5 ms, Kafka batches of 500
 # stored on PostgreSQL went from 19,100-19,500 to 22,000-22,600 records/s.
 SWITCH_INTERVAL_SECONDS = 0.0005
+# The cyclic garbage collector's first threshold while consuming (Python's
+# default: 700 new objects). A batch of 500 makes some 15,000 objects that
+# reference counting frees with it: at 700 the collector ran about twenty
+# times a batch, and the batch in hand, alive across those runs, was moved
+# on to the old generation, whose full collections walked every object of
+# the app too. Those are frozen out of the collector at the start (they live
+# as long as the process); with both, Kafka batches of 500 stored on
+# PostgreSQL went from 21,200-26,600 to 28,600-31,800 records/s.
+GC_FIRST_THRESHOLD = 20_000
 
 
 class Consumer(Protocol):
@@ -95,19 +105,33 @@ def consumer_for(app: Flask, source: BrokerSourceConfig, stop: threading.Event) 
 
 def run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:
     """Consume ``sources`` until ``stop`` is set (SIGTERM sets it)."""
-    with quick_handover():
+    with consuming():
         _run(app, sources, stop)
 
 
 @contextmanager
-def quick_handover() -> Iterator[None]:
-    """Run the block with the consumers' GIL switch interval (SWITCH_INTERVAL_SECONDS)."""
-    previous = sys.getswitchinterval()
+def consuming() -> Iterator[None]:
+    """Run the block as a consume process runs: the GIL's and the collector's settings above.
+
+    The GIL switch interval is SWITCH_INTERVAL_SECONDS; the objects alive
+    now (the app, its config, the modules) are frozen out of the cyclic
+    collector, whose first threshold is GC_FIRST_THRESHOLD. The process gets
+    its own settings back after the block.
+    """
+    switch = sys.getswitchinterval()
+    thresholds = gc.get_threshold()
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_FIRST_THRESHOLD, *thresholds[1:])
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         yield
     finally:
-        sys.setswitchinterval(previous)
+        sys.setswitchinterval(switch)
+        gc.set_threshold(*thresholds)
+        if not frozen_before:  # else frozen by the process itself, and left so
+            gc.unfreeze()
 
 
 def _run(app: Flask, sources: Sequence[BrokerSourceConfig], stop: threading.Event) -> None:
