@@ -264,12 +264,11 @@ def check_environment_names(environ: Mapping[str, str]) -> None:
         raise ConfigError(f"{variable} is not a setting the receiver reads{hint}")
 
 
-def check_settings(config: dict[str, Any], environ: Mapping[str, str] | None = None) -> None:
+def check_settings(config: dict[str, Any]) -> None:
     """Coerce the numeric and boolean settings in place, or say which one is wrong and how.
 
-    ``environ`` (the process's environment by default) is checked for names no one reads.
+    The environment's names are checked before (check_environment_names, by create_app).
     """
-    check_environment_names(os.environ if environ is None else environ)
     for name in sorted(BOOLEAN_SETTINGS & set(config)):
         config[name] = _boolean(name, config[name])
     for name, (kind, smallest) in NUMERIC_SETTINGS.items():
