@@ -289,7 +289,7 @@ class Consumer:
         storing thread is then left only the statement to send and wait on.
         """
         prepared = self.prepare(self.source, raws, to_message)
-        if not prepared.messages or prepared.staged is not None:
+        if not prepared.messages:
             return prepared
         with self.app.app_context():
             try:

@@ -47,9 +47,9 @@ class Staged(NamedTuple):
     # When it was received: its events' receipt time, unless a message has its own.
     now: datetime
     # PostgreSQL's batch statement's documents of its events and deliveries
-    # (BatchRows.params); None on the other paths, which build their rows
-    # in the transaction.
-    rows: dict[str, str] | None
+    # (BatchRows.params); None when not staged ahead and on the other paths,
+    # which build their rows in the transaction.
+    rows: dict[str, str] | None = None
 
 
 def stage(messages: Sequence[Message]) -> Staged:
@@ -61,16 +61,21 @@ def stage(messages: Sequence[Message]) -> Staged:
     reading thread's work rather than following a share of it. Needs an
     app context (the engine's statements, the app's routes).
     """
-    now = utcnow()
+    staged = _received(messages)
+    statements = for_engine(db.engine)
+    if not messages or statements.dialect_name != "postgresql":
+        return staged
+    firsts = [messages[i] for i in staged.first.values()]
+    rows = statements.batch_insert.params(firsts, staged.now, current_routes())
+    return staged._replace(rows=rows)
+
+
+def _received(messages: Sequence[Message]) -> Staged:
+    """``messages`` received now, each key's first found; their rows left to the transaction."""
     first: dict[tuple[str, str], int] = {}
     for index, message in enumerate(messages):
         first.setdefault((message.source, message.dedup_key), index)
-    rows = None
-    statements = for_engine(db.engine)
-    if messages and statements.dialect_name == "postgresql":
-        firsts = [messages[i] for i in first.values()]
-        rows = statements.batch_insert.params(firsts, now, current_routes())
-    return Staged(messages, first, now, rows)
+    return Staged(messages, first, utcnow())
 
 
 def receive_many(
@@ -137,7 +142,8 @@ def receive_many(
         return []
     statements = for_engine(engine)
     if staged is None:
-        staged = stage(messages)
+        # Its rows are built in the transaction, on the path it takes.
+        staged = _received(messages)
     elif staged.messages is not messages:
         raise ValueError("staged is another batch's: stage(messages) stages this one")
     now, first = staged.now, staged.first
