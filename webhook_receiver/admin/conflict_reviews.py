@@ -14,6 +14,7 @@ from sqlalchemy import CursorResult, select, update
 from ..extensions import db
 from ..models import Event, EventConflict
 from .paging import EPOCH, Cursor, Page, keyset_page
+from .queries import stored_body
 
 CONFLICT_VIEWS = ("unreviewed", "reviewed", "all")
 
@@ -66,13 +67,7 @@ def conflict_with_event(conflict_id: int) -> tuple[EventConflict, Event] | None:
 
 def conflict_body(conflict_id: int) -> bytes | None:
     """A conflicting delivery's body as it was received (None: no such conflict); ends the read."""
-    try:
-        row = db.session.execute(
-            select(EventConflict.body).where(EventConflict.id == conflict_id)
-        ).first()
-    finally:
-        db.session.rollback()
-    return None if row is None else bytes(row.body or b"")
+    return stored_body(EventConflict.body, conflict_id)
 
 
 NOT_REVIEWED = ""

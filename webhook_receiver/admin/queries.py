@@ -215,13 +215,21 @@ def event_detail(event_id: int) -> EventDetail | None:
     return EventDetail(event, list(duplicates), list(conflicts), deliveries, conflict_count)
 
 
-def event_body(event_id: int) -> bytes | None:
-    """An event's body as it was received (None: no such event), and end the read."""
+def stored_body(column: Any, row_id: int) -> bytes | None:
+    """A stored body (``Event.body``, ``EventConflict.body``) as it was received, and end the read.
+
+    None: no row of that id.
+    """
     try:
-        row = db.session.execute(select(Event.body).where(Event.id == event_id)).first()
+        row = db.session.execute(select(column).where(column.class_.id == row_id)).first()
     finally:
         db.session.rollback()
-    return None if row is None else bytes(row.body or b"")
+    return None if row is None else bytes(row[0] or b"")
+
+
+def event_body(event_id: int) -> bytes | None:
+    """An event's body as it was received (None: no such event), and end the read."""
+    return stored_body(Event.body, event_id)
 
 
 def can_requeue(delivery: Any, now: datetime) -> bool:
