@@ -244,15 +244,20 @@ def test_the_same_key_on_a_broker_and_a_webhook_source_is_two_events(make_app, a
 # -- a forward's downstream Idempotency-Key ------------------------------------
 
 
+def _add_billing_source(config: dict[str, Any], name: str, url: str) -> None:
+    """Add source ``name`` to ``config``: shop's settings, forwarding to ``url`` as billing."""
+    other = dict(config["sources"]["shop"])
+    other["forward"] = [forward("billing", url)]
+    config["sources"][name] = other
+
+
 def test_the_downstream_key_differs_per_consumer_and_per_source(
     make_app, downstream, clock, make_worker
 ):
     config = config_with(
         [forward("billing", downstream.url + "/in"), forward("crm", downstream.url + "/in")]
     )
-    other = dict(config["sources"]["shop"])
-    other["forward"] = [forward("billing", downstream.url + "/in")]
-    config["sources"]["shop-eu"] = other
+    _add_billing_source(config, "shop-eu", downstream.url + "/in")
     app = make_app(config, **FAST)
     store_event(app, clock, dedup_key="evt-1", source="shop")
     store_event(app, clock, dedup_key="evt-1", source="shop-eu")
@@ -269,9 +274,7 @@ def test_the_downstream_key_differs_for_sources_and_keys_that_hold_colons(
     # Sources "shop" and "shop:eu" (a legal name), each forwarding to one
     # downstream as "billing": shop's "eu:1" and shop:eu's "1" are two events.
     config = config_with([forward("billing", downstream.url + "/in")])
-    other = dict(config["sources"]["shop"])
-    other["forward"] = [forward("billing", downstream.url + "/in")]
-    config["sources"]["shop:eu"] = other
+    _add_billing_source(config, "shop:eu", downstream.url + "/in")
     app = make_app(config, **FAST)
     store_event(app, clock, dedup_key="eu:1", source="shop")
     store_event(app, clock, dedup_key="1", source="shop:eu")
